@@ -1,0 +1,126 @@
+"""The native MPI collectives of the MPI library, behind the same plan interface.
+
+They serve as the ``"mpi"`` algorithm (a baseline in benchmarks, and a candidate of
+the selection table where they are faster). Float16 and bfloat16, which MPI cannot
+reduce portably, are reduced by a user-defined MPI operation that calls our numpy
+reduction, over a contiguous datatype of one element so MPI never splits one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backends import ArrayBackend
+from ..comm.transport import Transport
+from ..dtypes import mpi_reduces_natively
+from ..ops import ReduceOp
+
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVERAGE: MPI.SUM,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD,
+}
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
+    """An MPI datatype of one ``dt`` element (predefined where MPI has one)."""
+    if mpi_reduces_natively(dt):
+        return MPI._typedict[dt.char]  # predefined: MPI's built-in ops accept only these
+    return MPI.BYTE.Create_contiguous(dt.itemsize).Commit()
+
+
+@functools.lru_cache(maxsize=None)
+def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
+    """The MPI operation reducing ``dt`` with ``op`` (user-defined for float16/bf16)."""
+    if mpi_reduces_natively(dt):
+        return _MPI_OPS[op]
+    ufunc = _UFUNCS[op]
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+        a = np.frombuffer(inbuf, dtype=dt)
+        b = np.frombuffer(inoutbuf, dtype=dt)
+        ufunc(a, b, out=b)
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
+def _spec(backend: ArrayBackend, flat: Any, count: int, dt: np.dtype[Any]) -> list[Any]:
+    return [backend.as_bytes(flat), count, _element_type(dt)]
+
+
+class NativeAllreduce:
+    """``MPI_Allreduce`` (in place on the output)."""
+
+    def __init__(self, transport: Transport, backend: ArrayBackend, count: int, dtype: Any,
+                 op: ReduceOp) -> None:
+        self.comm, self.backend, self.count = transport.comm, backend, count
+        self.dt = np.dtype(dtype)
+        self.mpi_op = _mpi_op(self.dt, op)
+
+    def run(self, src: Any, out: Any) -> None:
+        """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
+        if src is not out:
+            self.backend.copy_into(out, src)
+        self.comm.Allreduce(MPI.IN_PLACE, _spec(self.backend, out, self.count, self.dt),
+                            self.mpi_op)
+
+
+class NativeReduceScatter:
+    """``MPI_Reduce_scatter`` with the blocks of :func:`~.chunks.split_bounds`."""
+
+    def __init__(self, transport: Transport, backend: ArrayBackend, counts: list[int],
+                 dtype: Any, op: ReduceOp) -> None:
+        self.comm, self.backend, self.counts = transport.comm, backend, counts
+        self.rank = transport.rank
+        self.dt = np.dtype(dtype)
+        self.mpi_op = _mpi_op(self.dt, op)
+
+    def run(self, src: Any, out: Any) -> None:
+        """``out`` = this rank's reduced block of ``src``."""
+        total = sum(self.counts)
+        self.comm.Reduce_scatter(_spec(self.backend, src, total, self.dt),
+                                 _spec(self.backend, out, self.counts[self.rank], self.dt),
+                                 self.counts, self.mpi_op)
+
+
+class NativeAllgather:
+    """``MPI_Allgatherv`` of blocks of possibly different lengths."""
+
+    def __init__(self, transport: Transport, backend: ArrayBackend, counts: list[int],
+                 dtype: Any) -> None:
+        self.comm, self.backend, self.counts = transport.comm, backend, counts
+        self.dt = np.dtype(dtype)
+        self.displs = [sum(counts[:i]) for i in range(len(counts))]
+
+    def run(self, block: Any, out: Any) -> None:
+        """``out`` = concatenation of every rank's ``block``."""
+        etype = _element_type(self.dt)
+        self.comm.Allgatherv([self.backend.as_bytes(block), block.size, etype],
+                             [self.backend.as_bytes(out), (self.counts, self.displs), etype])
+
+
+class NativeBroadcast:
+    """``MPI_Bcast``."""
+
+    def __init__(self, transport: Transport, backend: ArrayBackend, count: int, dtype: Any,
+                 root: int) -> None:
+        self.comm, self.backend, self.count, self.root = transport.comm, backend, count, root
+        self.dt = np.dtype(dtype)
+
+    def run(self, buf: Any) -> None:
+        """Overwrite ``buf`` on every rank with the root's ``buf``."""
+        self.comm.Bcast(_spec(self.backend, buf, self.count, self.dt), self.root)
