@@ -1,23 +1,33 @@
-"""Collective algorithms: one algorithm per module, each planned in its constructor and
-executed by ``run()``, plus the table (:mod:`.selection`) that picks among them."""
+"""Collective algorithms: one algorithm per module, each planned in its constructor from a
+:class:`~.base.PlanRequest` and executed by ``run()``, plus the table
+(:mod:`.selection`) that picks among them.
+
+To add an algorithm, write its module and list its class in :data:`REGISTRY`.
+"""
 
 from __future__ import annotations
 
-from .chunks import split_bounds
+from typing import Any
+
+from .base import PlanRequest
 from .native import NativeAllgather, NativeAllreduce, NativeBroadcast, NativeReduceScatter
 from .ring import RingAllgather, RingAllreduce, RingReduceScatter
 from .selection import select
 
-# Algorithms each collective offers; the first is the fallback of "auto".
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "mpi"),
-    "reduce_scatter": ("ring", "mpi"),
-    "allgather": ("ring", "mpi"),
-    "broadcast": ("mpi",),
+# collective -> algorithm name -> class; the first name is the fallback of "auto".
+REGISTRY: dict[str, dict[str, Any]] = {
+    "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce},
+    "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter},
+    "allgather": {"ring": RingAllgather, "mpi": NativeAllgather},
+    "broadcast": {"mpi": NativeBroadcast},
 }
 
-__all__ = [
-    "ALGORITHMS", "NativeAllgather", "NativeAllreduce", "NativeBroadcast",
-    "NativeReduceScatter", "RingAllgather", "RingAllreduce", "RingReduceScatter", "select",
-    "split_bounds",
-]
+ALGORITHMS: dict[str, tuple[str, ...]] = {c: tuple(algos) for c, algos in REGISTRY.items()}
+
+
+def build(collective: str, algorithm: str, request: PlanRequest) -> Any:
+    """Plan ``algorithm`` for ``collective``."""
+    return REGISTRY[collective][algorithm](request)
+
+
+__all__ = ["ALGORITHMS", "REGISTRY", "PlanRequest", "build", "select"]

@@ -15,9 +15,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backends import ArrayBackend
-from ..comm.transport import Transport
 from ..dtypes import mpi_reduces_natively
 from ..ops import ReduceOp
+from .base import PlanRequest
 
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM,
@@ -35,7 +35,7 @@ _UFUNCS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
     """An MPI datatype of one ``dt`` element (predefined where MPI has one)."""
     if mpi_reduces_natively(dt):
@@ -43,7 +43,7 @@ def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
     return MPI.BYTE.Create_contiguous(dt.itemsize).Commit()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
     """The MPI operation reducing ``dt`` with ``op`` (user-defined for float16/bf16)."""
     if mpi_reduces_natively(dt):
@@ -65,11 +65,10 @@ def _spec(backend: ArrayBackend, flat: Any, count: int, dt: np.dtype[Any]) -> li
 class NativeAllreduce:
     """``MPI_Allreduce`` (in place on the output)."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, count: int, dtype: Any,
-                 op: ReduceOp) -> None:
-        self.comm, self.backend, self.count = transport.comm, backend, count
-        self.dt = np.dtype(dtype)
-        self.mpi_op = _mpi_op(self.dt, op)
+    def __init__(self, req: PlanRequest) -> None:
+        self.comm, self.backend, self.count = req.transport.comm, req.backend, req.count
+        self.dt = req.dtype
+        self.mpi_op = _mpi_op(self.dt, req.reduction)
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
@@ -82,12 +81,11 @@ class NativeAllreduce:
 class NativeReduceScatter:
     """``MPI_Reduce_scatter`` with the blocks of :func:`~.chunks.split_bounds`."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, counts: list[int],
-                 dtype: Any, op: ReduceOp) -> None:
-        self.comm, self.backend, self.counts = transport.comm, backend, counts
-        self.rank = transport.rank
-        self.dt = np.dtype(dtype)
-        self.mpi_op = _mpi_op(self.dt, op)
+    def __init__(self, req: PlanRequest) -> None:
+        self.comm, self.backend, self.counts = req.transport.comm, req.backend, req.counts
+        self.rank = req.transport.rank
+        self.dt = req.dtype
+        self.mpi_op = _mpi_op(self.dt, req.reduction)
 
     def run(self, src: Any, out: Any) -> None:
         """``out`` = this rank's reduced block of ``src``."""
@@ -100,11 +98,10 @@ class NativeReduceScatter:
 class NativeAllgather:
     """``MPI_Allgatherv`` of blocks of possibly different lengths."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, counts: list[int],
-                 dtype: Any) -> None:
-        self.comm, self.backend, self.counts = transport.comm, backend, counts
-        self.dt = np.dtype(dtype)
-        self.displs = [sum(counts[:i]) for i in range(len(counts))]
+    def __init__(self, req: PlanRequest) -> None:
+        self.comm, self.backend, self.counts = req.transport.comm, req.backend, req.counts
+        self.dt = req.dtype
+        self.displs = [lo for lo, _ in req.chunks]
 
     def run(self, block: Any, out: Any) -> None:
         """``out`` = concatenation of every rank's ``block``."""
@@ -116,10 +113,9 @@ class NativeAllgather:
 class NativeBroadcast:
     """``MPI_Bcast``."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, count: int, dtype: Any,
-                 root: int) -> None:
-        self.comm, self.backend, self.count, self.root = transport.comm, backend, count, root
-        self.dt = np.dtype(dtype)
+    def __init__(self, req: PlanRequest) -> None:
+        self.comm, self.backend, self.count = req.transport.comm, req.backend, req.count
+        self.root, self.dt = req.root, req.dtype
 
     def run(self, buf: Any) -> None:
         """Overwrite ``buf`` on every rank with the root's ``buf``."""

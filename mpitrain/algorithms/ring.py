@@ -25,7 +25,8 @@ import numpy as np
 from ..backends import ArrayBackend
 from ..comm.transport import Request, Transport
 from ..ops import ReduceOp
-from .chunks import Bounds, segment_bounds, segment_count, split_bounds
+from .base import PlanRequest
+from .chunks import Bounds, segment_bounds, segment_count
 
 RS_TAG = 11
 AG_TAG = 12
@@ -130,7 +131,6 @@ class RingSchedule:
                 ``None`` to send chunk ``owned`` of ``out`` here.
         """
         n, t = self.n, self.transport
-        K = self.segments
         left, right = t.left, t.right
         as_bytes = self.backend.as_bytes
         recvs: list[list[Request | None]] = []
@@ -161,13 +161,12 @@ class RingSchedule:
 class RingAllreduce:
     """Ring allreduce of a flat buffer: reduce-scatter then all-gather, pipelined."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, count: int, dtype: Any,
-                 op: ReduceOp, segment_bytes: int) -> None:
-        self.n, self.rank, self.op = transport.size, transport.rank, op
-        self.count = count
-        self.schedule = RingSchedule(transport, backend, split_bounds(count, self.n), dtype,
-                                     segment_bytes)
-        self.scratch = backend.empty(self.schedule.scratch_len, dtype)
+    def __init__(self, req: PlanRequest) -> None:
+        self.n, self.rank, self.op = req.transport.size, req.transport.rank, req.reduction
+        self.count = req.count
+        self.schedule = RingSchedule(req.transport, req.backend, list(req.chunks), req.dtype,
+                                     req.segment_bytes)
+        self.scratch = req.backend.empty(self.schedule.scratch_len, req.dtype)
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
@@ -190,14 +189,13 @@ class RingAllreduce:
 class RingReduceScatter:
     """Ring reduce-scatter: rank ``r`` gets the reduced chunk ``r`` of the buffer."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, chunks: list[Bounds],
-                 dtype: Any, op: ReduceOp, segment_bytes: int) -> None:
-        self.n, self.rank, self.op = transport.size, transport.rank, op
-        self.schedule = RingSchedule(transport, backend, chunks, dtype, segment_bytes)
-        length = self.schedule.scratch_len
-        self.scratch = backend.empty(length, dtype)
-        self.acc = (backend.empty(length, dtype), backend.empty(length, dtype)) if self.n > 2 \
-            else ()
+    def __init__(self, req: PlanRequest) -> None:
+        self.n, self.rank, self.op = req.transport.size, req.transport.rank, req.reduction
+        self.schedule = RingSchedule(req.transport, req.backend, list(req.chunks), req.dtype,
+                                     req.segment_bytes)
+        length, be, dt = self.schedule.scratch_len, req.backend, req.dtype
+        self.scratch = be.empty(length, dt)
+        self.acc = (be.empty(length, dt), be.empty(length, dt)) if self.n > 2 else ()
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduced chunk rank of src``; ``out`` holds exactly that chunk."""
@@ -219,11 +217,11 @@ class RingReduceScatter:
 class RingAllgather:
     """Ring all-gather of blocks of possibly different lengths."""
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, chunks: list[Bounds],
-                 dtype: Any, segment_bytes: int) -> None:
-        self.n, self.rank = transport.size, transport.rank
-        self.schedule = RingSchedule(transport, backend, chunks, dtype, segment_bytes)
-        self.backend = backend
+    def __init__(self, req: PlanRequest) -> None:
+        self.n, self.rank = req.transport.size, req.transport.rank
+        self.schedule = RingSchedule(req.transport, req.backend, list(req.chunks), req.dtype,
+                                     req.segment_bytes)
+        self.backend = req.backend
 
     def run(self, block: Any, out: Any) -> None:
         """``out`` = concatenation of every rank's ``block``."""

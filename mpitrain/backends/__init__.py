@@ -31,4 +31,4 @@ def backend_for(obj: object) -> ArrayBackend:
                      "numpy array (or a cupy array / torch tensor with the matching adapter)")
 
 
-__all__ = ["Array", "ArrayBackend", "NUMPY", "backend_for", "register"]
+__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_for", "register"]

@@ -10,13 +10,13 @@ duplicate of the communicator, and applies ``prescale_factor``/``postscale_facto
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import algorithms, config
-from ..algorithms.chunks import bounds_from_counts, default_segment_bytes, split_bounds
+from ..algorithms.chunks import Bounds, bounds_from_counts, default_segment_bytes, split_bounds
 from ..backends import ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_code
 from ..errors import ArgumentError, MismatchError
@@ -155,17 +155,9 @@ class Communicator:
             if src is not out:
                 be.copy_into(out, src)
         else:
-            plan = self._plan(("allreduce", name, src.size, dt, op.reduction, be.name),
-                              lambda: self._make_allreduce(name, be, src.size, dt, op.reduction))
-            plan.run(src, out)
+            chunks = split_bounds(src.size, self.size)
+            self._plan("allreduce", name, be, dt, op.reduction, chunks).run(src, out)
         be.scale(out, postscale)
-
-    def _make_allreduce(self, name: str, be: ArrayBackend, count: int, dt: np.dtype[Any],
-                        op: ReduceOp) -> Any:
-        if name == "mpi":
-            return algorithms.NativeAllreduce(self.transport, be, count, dt, op)
-        seg = self._segment_bytes(count * dt.itemsize)
-        return algorithms.RingAllreduce(self.transport, be, count, dt, op, seg)
 
     # -- reduce-scatter ---------------------------------------------------------------
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
@@ -203,21 +195,9 @@ class Communicator:
         if self.size == 1:
             be.copy_into(result, src)
         else:
-            key = ("reduce_scatter", name, tuple(chunks), dt, rop.reduction, be.name)
-            plan = self._plan(key, lambda: self._make_reduce_scatter(name, be, chunks, dt,
-                                                                     rop.reduction))
-            plan.run(src, result)
+            self._plan("reduce_scatter", name, be, dt, rop.reduction, chunks).run(src, result)
         be.scale(result, postscale)
-        return result.reshape(((hi - lo) // row if row else 0,) + tuple(arr.shape[1:]))
-
-    def _make_reduce_scatter(self, name: str, be: ArrayBackend, chunks: list[tuple[int, int]],
-                             dt: np.dtype[Any], op: ReduceOp) -> Any:
-        if name == "mpi":
-            return algorithms.NativeReduceScatter(self.transport, be,
-                                                  [b - a for a, b in chunks], dt, op)
-        nbytes = chunks[-1][1] * dt.itemsize
-        return algorithms.RingReduceScatter(self.transport, be, chunks, dt, op,
-                                            self._segment_bytes(nbytes))
+        return result.reshape(((hi - lo) // row if row else 0, *tuple(arr.shape[1:])))
 
     # -- allgather --------------------------------------------------------------------
     def allgather(self, x: Array, algorithm: str | None = None) -> Array:
@@ -243,10 +223,8 @@ class Communicator:
         if self.size == 1:
             be.copy_into(out, block)
         else:
-            key = ("allgather", name, tuple(counts), dt, be.name)
-            plan = self._plan(key, lambda: self._make_allgather(name, be, counts, dt))
-            plan.run(block, out)
-        return out.reshape((sum(rows),) + tuple(arr.shape[1:]))
+            self._plan("allgather", name, be, dt, None, bounds_from_counts(counts)).run(block, out)
+        return out.reshape((sum(rows), *tuple(arr.shape[1:])))
 
     def _gather_rows(self, arr: Array, dt: np.dtype[Any]) -> list[int]:
         """Every rank's row count, checking that dtype and trailing shape agree."""
@@ -263,13 +241,6 @@ class Communicator:
                 f"rank, but rank {bad} sent {details[bad][0]}[*, {_dims(details[bad][1])}] and "
                 f"rank 0 sent {details[0][0]}[*, {_dims(details[0][1])}]")
         return [int(r) for r in table[:, 0]]
-
-    def _make_allgather(self, name: str, be: ArrayBackend, counts: list[int],
-                        dt: np.dtype[Any]) -> Any:
-        if name == "mpi":
-            return algorithms.NativeAllgather(self.transport, be, counts, dt)
-        return algorithms.RingAllgather(self.transport, be, bounds_from_counts(counts), dt,
-                                        self._segment_bytes(sum(counts) * dt.itemsize))
 
     # -- broadcast --------------------------------------------------------------------
     def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None) -> Array:
@@ -302,10 +273,8 @@ class Communicator:
         dt = buf.dtype
         name = self._algorithm("broadcast", algorithm, buf.size * dt.itemsize, be)
         if self.size > 1 and buf.size:
-            key = ("broadcast", name, buf.size, dt, root, be.name)
-            plan = self._plan(key, lambda: algorithms.NativeBroadcast(
-                self.transport, be, buf.size, dt, root))
-            plan.run(be.flat(buf))
+            chunks = split_bounds(buf.size, self.size)
+            self._plan("broadcast", name, be, dt, None, chunks, root).run(be.flat(buf))
         return buf
 
     # -- objects and synchronisation --------------------------------------------------
@@ -368,22 +337,23 @@ class Communicator:
                                 f"{name!r}; use one of auto, {', '.join(available)}")
         return name
 
-    def _segment_bytes(self, nbytes: int) -> int:
+    def _plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
+              op: ReduceOp | None, chunks: list[Bounds], root: int = 0) -> Any:
+        """The cached plan of ``name`` for this call's shape, built on first use."""
         configured = config.SEGMENT_BYTES.get()
-        return configured if configured else default_segment_bytes(nbytes, self.size)
-
-    def _plan(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
-        key = key + (config.SEGMENT_BYTES.get(),)
+        segment = configured or default_segment_bytes(chunks[-1][1] * dt.itemsize, self.size)
+        key = (collective, name, be.name, dt, op, tuple(chunks), root, segment)
         plan = self._plans.get(key)
         if plan is None:
-            plan = build()
+            request = algorithms.PlanRequest(self.transport, self.topology, be, dt, op,
+                                             tuple(chunks), root, segment)
+            plan = algorithms.build(collective, name, request)
             self._plans[key] = plan
             if len(self._plans) > _PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
-
 
 def _dims(shape: tuple[int, ...]) -> str:
     return ", ".join(str(d) for d in shape) if shape else ""

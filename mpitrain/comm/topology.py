@@ -16,8 +16,8 @@ from mpi4py import MPI
 class Topology:
     """The node split of a communicator, with the two sub-communicators."""
 
-    local_comm: MPI.Intracomm
-    cross_comm: MPI.Intracomm
+    local_comm: MPI.Comm
+    cross_comm: MPI.Comm
     local_rank: int
     local_size: int
     cross_rank: int

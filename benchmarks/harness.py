@@ -1,0 +1,556 @@
+"""The benchmark harness: one loop for every collective, modelled on nccl-tests.
+
+For each byte size from ``-b`` to ``-e`` (times ``-f`` each step) the harness asks the
+collective's hooks (:mod:`benchmarks.collectives`) for the element count, crafts this
+rank's input and prepares one :class:`~benchmarks.hooks.Call` per implementation and
+variant (out-of-place, in-place). Then, per size:
+
+* *warm-up*: every call runs ``-w`` times;
+* *timing*: ``-n`` repetitions, each running every call once, interleaved (A B A B,
+  the order rotating by one per repetition); a barrier precedes every run and only
+  the run is timed, with ``time.perf_counter``. Each rank takes the median (and the
+  min and max) of its own times; the time reported is the **maximum over ranks of
+  each rank's median** (min and max likewise), so a size is as slow as its slowest
+  rank;
+* *verify*: every call runs once more from its crafted input and its result is
+  compared exactly with the known one; ``#wrong`` is the number of wrong elements
+  summed over ranks.
+
+``algbw`` is size / time and ``busbw`` is algbw times the collective's bus factor, as
+in nccl-tests. Rank 0 prints the table; the process exits with 1 if any element was
+wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mpi4py
+import numpy as np
+from mpi4py import MPI
+
+import mpitrain as mt
+from mpitrain.algorithms import ALGORITHMS
+from mpitrain.dtypes import SUPPORTED_DTYPES, check_op_for_dtype
+from mpitrain.errors import DtypeError
+from mpitrain.ops import parse_op
+
+from .collectives import COLLECTIVES
+from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective
+
+IMPLS = ("mpitrain", "mpi")
+DTYPES: dict[str, np.dtype[Any]] = {str(dt): dt for dt in SUPPORTED_DTYPES}
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"(\d+)([KMG]?)B?", re.IGNORECASE)
+
+Key = tuple[str, bool]
+"""A column group of the table: (implementation label, in place)."""
+
+
+# -- sizes ----------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """Parse a byte count with an optional K, M or G suffix (powers of 1024): ``64M``."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a byte count; write e.g. 8, 1K, 64M or 1G")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling of a byte count: ``64M``, ``1536``, ``3K``."""
+    for suffix in ("G", "M", "K"):
+        if nbytes >= _UNITS[suffix] and nbytes % _UNITS[suffix] == 0:
+            return f"{nbytes // _UNITS[suffix]}{suffix}"
+    return str(nbytes)
+
+
+def size_series(minbytes: int, maxbytes: int, factor: int) -> list[int]:
+    """``minbytes, minbytes*factor, ...`` up to and including ``maxbytes``."""
+    if minbytes < 1 or maxbytes < minbytes or factor < 2:
+        raise ValueError(f"need 1 <= minbytes <= maxbytes and stepfactor >= 2, got "
+                         f"-b {minbytes} -e {maxbytes} -f {factor}")
+    sizes = []
+    nbytes = minbytes
+    while nbytes <= maxbytes:
+        sizes.append(nbytes)
+        nbytes *= factor
+    return sizes
+
+
+# -- options --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Impl:
+    """One implementation column: mpitrain with one algorithm, or MPI's own call."""
+
+    label: str
+    kind: str
+    algorithm: str
+
+
+@dataclass(frozen=True)
+class Options:
+    """The parsed command line."""
+
+    collective: Collective
+    sizes: list[int]
+    iters: int
+    warmup: int
+    dtype: np.dtype[Any]
+    op: str
+    root: int
+    impls: list[Impl]
+    algorithms: list[str]
+    inplace: bool
+    json: str | None
+    plot: str | None
+
+    @property
+    def variants(self) -> list[bool]:
+        """The in-place flags measured: out-of-place, then in-place unless disabled."""
+        return [False, True] if self.inplace else [False]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that prints (usage, errors, help) on one rank only."""
+
+    def __init__(self, quiet: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.quiet = quiet
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def _comma_list(text: str) -> list[str]:
+    return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+
+
+def make_impls(names: Sequence[str], algorithms: Sequence[str]) -> list[Impl]:
+    """Expand ``--impl`` by ``--algorithm``: one ``mpitrain`` column per algorithm.
+
+    A single ``auto`` algorithm keeps the plain label ``mpitrain``; otherwise each
+    column is labelled ``mpitrain:<algorithm>``.
+    """
+    impls = []
+    for name in names:
+        if name == "mpi":
+            impls.append(Impl("mpi", "mpi", "mpi"))
+            continue
+        for algorithm in algorithms:
+            label = "mpitrain" if list(algorithms) == ["auto"] else f"mpitrain:{algorithm}"
+            impls.append(Impl(label, "mpitrain", algorithm))
+    return impls
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks``."""
+    p = _Parser(quiet, prog="python -m benchmarks",
+                description="Time and verify mpitrain collectives against MPI's own, "
+                            "nccl-tests style. Run under mpirun.")
+    p.add_argument("collective", choices=sorted(COLLECTIVES))
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
+                   help="smallest size in bytes (K/M/G suffixes; default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
+                   help="largest size in bytes (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2,
+                   help="multiply the size by this each step (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=20,
+                   help="timed runs per size and implementation (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5,
+                   help="untimed runs before timing (default 5)")
+    p.add_argument("-d", "--datatype", default="float32",
+                   choices=sorted(DTYPES) + sorted(DTYPE_ALIASES), help="default float32")
+    p.add_argument("-o", "--op", default="sum", choices=REDUCING_OPS,
+                   help="reduction of allreduce and reduce_scatter (default sum)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast (default 0)")
+    p.add_argument("--impl", type=_comma_list, default=list(IMPLS),
+                   help="comma list of implementations: mpitrain, mpi (default both)")
+    p.add_argument("--algorithm", type=_comma_list, default=["auto"],
+                   help="comma list of mpitrain algorithms, one column each (default auto)")
+    p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the in-place variant (default: yes)")
+    p.add_argument("--json", metavar="FILE", help="write every result to this JSON file")
+    p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth against size")
+    return p
+
+
+def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options:
+    """Parse and check a command line for a run on ``nranks`` ranks."""
+    parser = build_parser(quiet)
+    a = parser.parse_args(argv)
+    collective = COLLECTIVES[a.collective]
+    try:
+        sizes = size_series(a.minbytes, a.maxbytes, a.stepfactor)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if a.iters < 1 or a.warmup_iters < 0:
+        parser.error(f"need -n >= 1 and -w >= 0, got -n {a.iters} -w {a.warmup_iters}")
+    unknown = [name for name in a.impl if name not in IMPLS]
+    if unknown or not a.impl:
+        parser.error(f"--impl takes a comma list of {', '.join(IMPLS)}, got {a.impl}")
+    offered = ("auto",) + ALGORITHMS[collective.name]
+    bad = [name for name in a.algorithm if name not in offered]
+    if bad or not a.algorithm:
+        parser.error(f"mpitrain's {collective.name} offers the algorithms "
+                     f"{', '.join(offered)}; got --algorithm {','.join(a.algorithm)}")
+    dtype = DTYPES[DTYPE_ALIASES.get(a.datatype, a.datatype)]
+    op = a.op if collective.reduces else NO_OP
+    if collective.reduces:
+        try:
+            check_op_for_dtype(parse_op(op), dtype)
+        except DtypeError as exc:
+            parser.error(str(exc))
+    if collective.rooted and not 0 <= a.root < nranks:
+        parser.error(f"-r {a.root} is not a rank; use 0..{nranks - 1}")
+    return Options(collective=collective, sizes=sizes, iters=a.iters, warmup=a.warmup_iters,
+                   dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
+                   impls=make_impls(a.impl, a.algorithm), algorithms=a.algorithm,
+                   inplace=a.inplace, json=a.json, plot=a.plot)
+
+
+# -- timing and verification ----------------------------------------------------------
+def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
+               barrier: Callable[[], None]) -> dict[Key, list[float]]:
+    """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
+
+    Each repetition runs every call once, the order rotated by one per repetition so
+    that no call always follows the same one. A reset and a barrier precede each
+    run; only the run is timed.
+
+    Returns:
+        This rank's seconds per run of each call.
+    """
+    keys = list(calls)
+    for _ in range(warmup):
+        for key in keys:
+            calls[key].reset()
+            barrier()
+            calls[key].run()
+    times: dict[Key, list[float]] = {key: [] for key in keys}
+    for rep in range(iters):
+        shift = rep % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            call = calls[key]
+            call.reset()
+            barrier()
+            start = time.perf_counter()
+            call.run()
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def count_wrong(call: Call, expected: Array) -> int:
+    """Run ``call`` once from its crafted input; count its elements unequal to ``expected``.
+
+    A result of the wrong shape or dtype counts as wholly wrong.
+    """
+    call.reset()
+    result = np.asarray(call.run())
+    if result.size != expected.size or result.dtype != expected.dtype:
+        return int(max(result.size, expected.size))
+    return int(np.count_nonzero(result.reshape(-1) != expected))
+
+
+@dataclass(frozen=True)
+class Result:
+    """One cell group of the table: a size measured by one implementation and variant."""
+
+    size: int
+    count: int
+    dtype: str
+    op: str
+    root: int
+    impl: str
+    inplace: bool
+    time_us: float
+    time_min_us: float
+    time_max_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+
+    @property
+    def key(self) -> Key:
+        """The column group of this result."""
+        return (self.impl, self.inplace)
+
+
+def measure(opts: Options, case: Case, comm: mt.Communicator,
+            world: MPI.Intracomm) -> list[Result]:
+    """Warm up, time and verify every implementation and variant at one size.
+
+    Collective over ``world``; every rank returns the same results.
+    """
+    coll = opts.collective
+    data = coll.make_input(case)
+    calls: dict[Key, Call] = {}
+    for inplace in opts.variants:
+        for impl in opts.impls:
+            call = (coll.mpitrain(comm, impl.algorithm, case, data, inplace)
+                    if impl.kind == "mpitrain" else coll.mpi(world, case, data, inplace))
+            if call is not None:
+                calls[(impl.label, inplace)] = call
+    times = time_calls(calls, opts.iters, opts.warmup, world.Barrier)
+    expected = coll.expected(case)
+    wrong = np.array([count_wrong(call, expected) for call in calls.values()], dtype=np.int64)
+    stats = np.array([[statistics.median(t), min(t), max(t)] for t in times.values()])
+    world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
+    world.Allreduce(MPI.IN_PLACE, wrong, MPI.SUM)
+    size = coll.size(case.count, case.dtype.itemsize, case.nranks)
+    factor = coll.bus_factor(case.nranks)
+    results = []
+    for (label, inplace), (median, fastest, slowest), bad in zip(calls, stats, wrong):
+        algbw = size / median / 1e9
+        results.append(Result(size, case.count, str(case.dtype), case.op, case.root, label,
+                              inplace, median * 1e6, fastest * 1e6, slowest * 1e6, algbw,
+                              algbw * factor, int(bad)))
+    return results
+
+
+# -- the table ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    """A table column: title, unit line and width."""
+
+    title: str
+    unit: str
+    width: int
+
+
+_FIXED = (Column("size", "(B)", 12), Column("count", "(elements)", 12), Column("type", "", 9),
+          Column("redop", "", 6), Column("root", "", 5))
+_PER_IMPL = (Column("time", "(us)", 10), Column("algbw", "(GB/s)", 8),
+             Column("busbw", "(GB/s)", 8), Column("#wrong", "", 6))
+_NA = "N/A"
+
+
+def ratio_pairs(impls: Sequence[Impl]) -> list[tuple[str, str]]:
+    """``(mpi label, mpitrain label)`` for each ``mpi/mpitrain`` ratio column."""
+    if not any(i.kind == "mpi" for i in impls):
+        return []
+    return [("mpi", i.label) for i in impls if i.kind == "mpitrain"]
+
+
+class Table:
+    """nccl-tests' table: fixed columns, then per variant a column group per
+    implementation and the ``mpi/mpitrain`` time ratios (>1: mpitrain is faster)."""
+
+    def __init__(self, impls: Sequence[Impl], variants: Sequence[bool]) -> None:
+        self.labels = [i.label for i in impls]
+        self.variants = list(variants)
+        self.ratios = ratio_pairs(impls)
+        self.ratio_columns = [Column(f"{a}/{b}", "", max(len(f"{a}/{b}"), 6))
+                              for a, b in self.ratios]
+
+    def header(self) -> list[str]:
+        """The four header lines: variant, implementation, titles, units."""
+        spans_variant, spans_impl = [], []
+        fixed_width = sum(c.width + 1 for c in _FIXED)
+        impl_width = sum(c.width + 1 for c in _PER_IMPL)
+        for inplace in self.variants:
+            ratio_width = sum(c.width + 1 for c in self.ratio_columns)
+            spans_variant.append(("in-place" if inplace else "out-of-place")
+                                 .center(impl_width * len(self.labels) + ratio_width))
+            spans_impl.append("".join(label.center(impl_width) for label in self.labels)
+                              + " " * ratio_width)
+        columns = self.columns()
+        return ["#" + " " * fixed_width + "".join(spans_variant).rstrip(),
+                "#" + " " * fixed_width + "".join(spans_impl).rstrip(),
+                "#" + "".join(f"{c.title:>{c.width}} " for c in columns).rstrip(),
+                "#" + "".join(f"{c.unit:>{c.width}} " for c in columns).rstrip()]
+
+    def columns(self) -> list[Column]:
+        """Every column, left to right."""
+        group = list(_PER_IMPL) * len(self.labels) + self.ratio_columns
+        return list(_FIXED) + group * len(self.variants)
+
+    def row(self, results: Sequence[Result]) -> str:
+        """The line of one size; a missing implementation or variant prints N/A."""
+        first = results[0]
+        by_key = {r.key: r for r in results}
+        cells = [str(first.size), str(first.count), first.dtype, first.op, str(first.root)]
+        for inplace in self.variants:
+            for label in self.labels:
+                r = by_key.get((label, inplace))
+                cells += ([f"{r.time_us:.2f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong)]
+                          if r else [_NA] * len(_PER_IMPL))
+            for mpi_label, ours in self.ratios:
+                native, mine = by_key.get((mpi_label, inplace)), by_key.get((ours, inplace))
+                cells.append(f"{native.time_us / mine.time_us:.2f}" if native and mine else _NA)
+        return " " + "".join(f"{cell:>{c.width}} " for cell, c in zip(cells, self.columns())) \
+            .rstrip()
+
+    def summary(self, results: Sequence[Result]) -> list[str]:
+        """nccl-tests' closing lines: wrong elements and average bus bandwidth."""
+        wrong = sum(r.wrong for r in results)
+        averages = "  ".join(f"{label} {avg:.3f}" for label, avg in average_busbw(results,
+                                                                                  self.labels))
+        return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+                f"# Avg bus bandwidth    : {averages}  (GB/s, mean over sizes and variants)"]
+
+
+def average_busbw(results: Sequence[Result], labels: Sequence[str]) -> list[tuple[str, float]]:
+    """Mean bus bandwidth of each implementation over every size and variant it ran."""
+    out = []
+    for label in labels:
+        values = [r.busbw for r in results if r.impl == label]
+        out.append((label, sum(values) / len(values) if values else 0.0))
+    return out
+
+
+# -- reproducibility: header, JSON, plot ----------------------------------------------
+def command_line(argv: Sequence[str], nranks: int) -> str:
+    """The command that reproduces this run, with the MPITRAIN_* variables it saw."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("MPITRAIN_")]
+    return " ".join(env + [f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
+
+
+def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
+    """Where the run happened (collective: gathers every rank's host name)."""
+    hosts = sorted(set(world.allgather(socket.gethostname())))
+    return {
+        "mpi_library": MPI.Get_library_version().strip("\0 \n").splitlines()[0].rstrip(", "),
+        "mpi_version": "{}.{}".format(*MPI.Get_version()),
+        "ranks": world.Get_size(),
+        "hosts": hosts,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpitrain": mt.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[str]:
+    """The lines that say what ran where, above the table."""
+    algorithms = ",".join(opts.algorithms) if any(i.kind == "mpitrain" for i in opts.impls) \
+        else "-"
+    versions = (f"python {machine['python']}, numpy {machine['numpy']}, "
+                f"mpi4py {machine['mpi4py']}, mpitrain {machine['mpitrain']}")
+    timing = (f"{opts.warmup} warm-up + {opts.iters} timed runs per size, implementations "
+              "interleaved, barrier before each run; time = max over ranks of each rank's "
+              "median")
+    return [
+        f"# mpitrain benchmark: {opts.collective.name}",
+        f"# command   : {command}",
+        f"# MPI       : {machine['mpi_library']}",
+        f"# ranks     : {machine['ranks']} on {', '.join(machine['hosts'])}",
+        f"# versions  : {versions}",
+        f"# algorithm : mpitrain {algorithms}; mpi = mpi4py's calls on a Dup of COMM_WORLD",
+        f"# date      : {machine['date']}",
+        f"# timing    : {timing}",
+        "#",
+    ]
+
+
+def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
+               results: Sequence[Result]) -> None:
+    """Save the run: command, machine, settings, every result and the summary."""
+    labels = [i.label for i in opts.impls]
+    doc = {
+        "collective": opts.collective.name,
+        "command": command,
+        "machine": machine,
+        "settings": {"sizes": opts.sizes, "iters": opts.iters, "warmup": opts.warmup,
+                     "dtype": str(opts.dtype), "op": opts.op, "root": opts.root,
+                     "impls": labels, "algorithms": opts.algorithms,
+                     "inplace": opts.inplace},
+        "timing": "time_us = max over ranks of each rank's median of the timed runs; "
+                  "time_min_us/time_max_us = max over ranks of each rank's min/max",
+        "results": [asdict(r) for r in results],
+        "summary": {"wrong": sum(r.wrong for r in results),
+                    "avg_busbw": dict(average_busbw(results, labels))},
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def write_plot(path: str, opts: Options, machine: dict[str, Any],
+               results: Sequence[Result]) -> None:
+    """Plot bus bandwidth against size (log x), one line per implementation and variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for inplace in opts.variants:
+        for impl in opts.impls:
+            points = [(r.size, r.busbw) for r in results if r.key == (impl.label, inplace)]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", linestyle="--" if inplace else "-",
+                        label=f"{impl.label} ({'in-place' if inplace else 'out-of-place'})")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(int(x))))
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{opts.collective.name}, {opts.dtype}"
+                 + (f" {opts.op}" if opts.collective.reduces else "")
+                 + f", {machine['ranks']} ranks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark described by ``argv`` (default ``sys.argv[1:]``).
+
+    Returns:
+        0 if every verified element was right, else 1.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    opts = parse_args(args, nranks, quiet=rank != 0)
+    comm = mt.init()
+    world = MPI.COMM_WORLD.Dup()
+    command = command_line(args, nranks)
+    machine = machine_info(world)
+    table = Table(opts.impls, opts.variants)
+
+    def emit(lines: Sequence[str]) -> None:
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+
+    emit(header_block(opts, command, machine) + table.header())
+    results: list[Result] = []
+    itemsize = opts.dtype.itemsize
+    for nbytes in opts.sizes:
+        count = opts.collective.count(nbytes, itemsize, nranks)
+        if count == 0:
+            continue
+        case = Case(count, opts.dtype, opts.op, opts.root, rank, nranks)
+        row = measure(opts, case, comm, world)
+        emit([table.row(row)])
+        results += row
+    emit(table.summary(results))
+    if rank == 0:
+        if opts.json:
+            write_json(opts.json, opts, command, machine, results)
+        if opts.plot:
+            write_plot(opts.plot, opts, machine, results)
+    world.Free()
+    mt.shutdown()
+    return 1 if any(r.wrong for r in results) else 0

@@ -1,0 +1,67 @@
+"""What every algorithm is built from: a :class:`PlanRequest`.
+
+An algorithm is a class whose constructor takes a :class:`PlanRequest` and plans
+everything (peers, chunk offsets, scratch buffers) and whose ``run()`` only moves and
+reduces data. The signatures of ``run()`` per collective:
+
+* allreduce: ``run(src, out)``, flat arrays of ``count`` elements, ``src`` may be ``out``;
+* reduce_scatter: ``run(src, out)``, ``out`` holds this rank's chunk;
+* allgather: ``run(block, out)``, ``out`` holds every rank's chunk;
+* broadcast: ``run(buf)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backends import ArrayBackend
+from ..comm.topology import Topology
+from ..comm.transport import Transport
+from ..ops import ReduceOp
+from .chunks import Bounds
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything an algorithm may plan from.
+
+    Attributes:
+        transport: point-to-point messages on the private communicator.
+        topology: node split of the communicator (for hierarchical algorithms).
+        backend: the array library of the buffers.
+        dtype: element type.
+        op: the elementwise reduction (``Sum`` for ``Average``); ``None`` for
+            collectives that do not reduce.
+        chunks: element range of each rank's chunk: the ``np.array_split`` blocks of the
+            buffer for allreduce and reduce-scatter, each rank's block for allgather.
+        root: the root rank (broadcast).
+        segment_bytes: pipeline segment size (0: whole chunks).
+    """
+
+    transport: Transport
+    topology: Topology
+    backend: ArrayBackend
+    dtype: np.dtype[Any]
+    op: ReduceOp | None
+    chunks: tuple[Bounds, ...]
+    root: int = 0
+    segment_bytes: int = 0
+
+    @property
+    def count(self) -> int:
+        """Total number of elements of the (full) buffer."""
+        return self.chunks[-1][1] if self.chunks else 0
+
+    @property
+    def counts(self) -> list[int]:
+        """Element count of each rank's chunk."""
+        return [hi - lo for lo, hi in self.chunks]
+
+    @property
+    def reduction(self) -> ReduceOp:
+        """The reduction, for collectives that need one."""
+        assert self.op is not None, "this collective does not reduce"
+        return self.op

@@ -1,0 +1,26 @@
+"""Pytest configuration shared by the unit and MPI suites."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def comm() -> Iterator[object]:
+    """The default mpitrain communicator over every rank of the job."""
+    import mpitrain as mt
+
+    yield mt.init()
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Set MPITRAIN_* variables for one test (every rank must set the same)."""
+    return monkeypatch
+

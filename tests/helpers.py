@@ -1,0 +1,81 @@
+"""Shared test helpers: crafted inputs with exact results, and all-rank assertions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import mpitrain as mt
+from mpitrain.dtypes import SUPPORTED_DTYPES
+from mpitrain.ops import ReduceOp
+
+DTYPES = [str(d) for d in SUPPORTED_DTYPES]
+
+
+def ops_for(dtype: Any) -> list[ReduceOp]:
+    """The ops defined for ``dtype`` (no Min/Max for complex)."""
+    ops = list(ReduceOp)
+    if np.dtype(dtype).kind == "c":
+        ops = [o for o in ops if o not in (ReduceOp.MIN, ReduceOp.MAX)]
+    return ops
+
+
+def crafted(rank: int, count: int, dtype: Any, op: ReduceOp) -> np.ndarray[Any, Any]:
+    """An input that differs by rank and index and reduces exactly in any order.
+
+    Sums of small integers and products of {-1, 1, 2} are exact in every dtype,
+    float16 and bfloat16 included, so results compare with ``==``.
+    """
+    dt = np.dtype(dtype)
+    i = np.arange(count, dtype=np.int64)
+    unsigned = dt.kind == "u"
+    if op is ReduceOp.PRODUCT:
+        table = np.array([1, 2, 1] if unsigned else [1, 2, -1])
+        values = table[(i * 5 + rank * 3) % 3]
+    elif op in (ReduceOp.MIN, ReduceOp.MAX):
+        values = (i * 37 + rank * 11) % 101 - (0 if unsigned else 50)
+    else:
+        values = (i * 7 + rank * 3) % 9 - (0 if unsigned else 4)
+    if dt.kind == "c":
+        return (values + 1j * ((values * 3) % 5)).astype(dt)
+    return values.astype(dt)
+
+
+def reference(size: int, count: int, dtype: Any, op: ReduceOp) -> np.ndarray[Any, Any]:
+    """What an allreduce of :func:`crafted` over ``size`` ranks must return."""
+    acc = crafted(0, count, dtype, op)
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
+             ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}[op]
+    for r in range(1, size):
+        acc = ufunc(acc, crafted(r, count, dtype, op))
+    if op is ReduceOp.AVERAGE:
+        if acc.dtype.kind in "iu":
+            acc = np.floor_divide(acc, size)
+        else:
+            np.multiply(acc, 1.0 / size, out=acc, casting="unsafe")
+    return acc
+
+
+def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:
+    """Fail on every rank if the check failed on any (so no rank hangs in the next test)."""
+    failed = comm.allgather_object(None if ok else f"rank {comm.rank}: {message}")
+    bad = [f for f in failed if f is not None]
+    assert not bad, "; ".join(bad)
+
+
+def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, what: str) -> None:
+    """Exact comparison of arrays, shape and dtype included, judged on every rank."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    ok = (actual.shape == expected.shape and actual.dtype == expected.dtype
+          and bool(np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc")))
+    detail = ""
+    if not ok:
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            detail = f"got {actual.dtype}{actual.shape}, want {expected.dtype}{expected.shape}"
+        else:
+            wrong = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
+            detail = (f"{wrong.size} wrong elements, first at {wrong[0]}: got "
+                      f"{actual.reshape(-1)[wrong[0]]}, want {expected.reshape(-1)[wrong[0]]}")
+    assert_all_ranks(comm, ok, f"{what}: {detail}")

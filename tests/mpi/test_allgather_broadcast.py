@@ -1,0 +1,80 @@
+"""Allgather (row counts may differ by rank), broadcast, barrier, object collectives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_equal_all_ranks, crafted
+
+import mpitrain as mt
+
+
+def rows_of(rank: int, base: int) -> int:
+    return max(base - rank, 0)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_uneven_rows(comm: mt.Communicator, algorithm: str, dtype: str) -> None:
+    for base in (0, 1, comm.size - 1, 1001, 200_003):
+        def block(r: int, base: int = base) -> np.ndarray:
+            return crafted(r, rows_of(r, base) * 2, dtype, mt.Sum).reshape(-1, 2)
+
+        y = comm.allgather(block(comm.rank), algorithm=algorithm)
+        expected = np.concatenate([block(r) for r in range(comm.size)])
+        assert_equal_all_ranks(comm, y, expected, f"allgather {algorithm} base={base}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_segments(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "8")
+    y = comm.allgather(np.arange(comm.rank * 5, dtype=np.int16), algorithm="ring")
+    expected = np.concatenate([np.arange(r * 5, dtype=np.int16) for r in range(comm.size)])
+    assert_equal_all_ranks(comm, y, expected, "segmented ring allgather")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_mismatch_raises_everywhere(comm: mt.Communicator) -> None:
+    dtype = np.float64 if comm.rank == comm.size - 1 else np.float32
+    with pytest.raises(mt.MismatchError, match=f"rank {comm.size - 1} sent float64"):
+        comm.allgather(np.zeros((2, 3), dtype))
+    with pytest.raises(mt.MismatchError):
+        comm.allgather(np.zeros((2, 3 + (comm.rank == 0)), np.float32))
+    y = comm.allgather(np.ones(1, np.int8))  # still usable
+    assert y.sum() == comm.size
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(comm: mt.Communicator, dtype: str) -> None:
+    for root in range(comm.size):
+        for count in (0, 1, 1001):
+            x = crafted(comm.rank, count, dtype, mt.Sum).reshape(-1)
+            y = comm.broadcast(x, root=root)
+            assert_equal_all_ranks(comm, y, crafted(root, count, dtype, mt.Sum),
+                                   f"broadcast root={root}")
+            comm.broadcast_(x, root=root)
+            assert_equal_all_ranks(comm, x, crafted(root, count, dtype, mt.Sum),
+                                   f"broadcast_ root={root}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_objects_and_barrier(comm: mt.Communicator) -> None:
+    comm.barrier()
+    mt.barrier()
+    got = comm.broadcast_object({"rank": comm.rank, "data": [1, 2]}, root=comm.size - 1)
+    assert got == {"rank": comm.size - 1, "data": [1, 2]}
+    assert comm.allgather_object(("r", comm.rank)) == [("r", r) for r in range(comm.size)]
+    assert mt.allgather_object(comm.rank) == list(range(comm.size))
+    assert mt.broadcast_object("x" * comm.rank) == ""
+
+
+@pytest.mark.mpi(min_size=1)
+def test_topology(comm: mt.Communicator) -> None:
+    """One host: every rank is local; the cross communicator is one rank."""
+    assert 0 <= comm.local_rank < comm.local_size
+    assert 0 <= comm.cross_rank < comm.cross_size
+    table = comm.allgather_object((comm.local_rank, comm.cross_rank))
+    assert len(set(table)) == comm.size, "local/cross ranks must identify a rank uniquely"
+    assert comm.local_size * comm.topology.node_count >= comm.size

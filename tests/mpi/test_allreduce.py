@@ -1,0 +1,91 @@
+"""Allreduce: algorithm x dtype x op x element count, at whatever rank count runs it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
+
+import mpitrain as mt
+
+ALGORITHMS = ["auto", "ring", "mpi"]
+CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
+
+
+def counts(size: int) -> list[int]:
+    """0, 1, fewer than ranks, not divisible by any rank count 2..5, and ~1e6."""
+    return sorted({0, 1, max(size - 1, 0), 1001, 1_000_003})
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
+def test_allreduce_matches_reference(comm: mt.Communicator, algorithm: str, dtype: str,
+                                     op: mt.ReduceOp) -> None:
+    for count in counts(comm.size):
+        x = crafted(comm.rank, count, dtype, op)
+        before = x.copy()
+        y = comm.allreduce(x, op=op, algorithm=algorithm)
+        expected = reference(comm.size, count, dtype, op)
+        assert_equal_all_ranks(comm, y, expected, f"allreduce {algorithm} n={count}")
+        assert_equal_all_ranks(comm, x, before, "allreduce must not modify its input")
+        z = crafted(comm.rank, count, dtype, op)
+        assert comm.allreduce_(z, op=op, algorithm=algorithm) is z
+        assert_equal_all_ranks(comm, z, expected, f"allreduce_ {algorithm} n={count}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ring_pipeline_segments(comm: mt.Communicator, env: pytest.MonkeyPatch,
+                                dtype: str) -> None:
+    """Tiny segments reach the multi-segment pipeline with uneven chunks."""
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "24")
+    for count in (comm.size - 1, 37, 1001):
+        for op in (mt.Sum, mt.Product):
+            x = crafted(comm.rank, count, dtype, op)
+            y = comm.allreduce(x, op=op, algorithm="ring")
+            assert_equal_all_ranks(comm, y, reference(comm.size, count, dtype, op),
+                                   f"segmented ring n={count} {op}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_scaling_factors(comm: mt.Communicator, algorithm: str) -> None:
+    x = crafted(comm.rank, 1001, "float64", mt.Sum)
+    y = comm.allreduce(x, op=mt.Average, algorithm=algorithm, prescale_factor=0.5,
+                       postscale_factor=3.0)
+    expected = reference(comm.size, 1001, "float64", mt.Sum) * 0.5 * 3.0 / comm.size
+    assert np.allclose(y, expected, rtol=1e-12)
+    ints = crafted(comm.rank, 1001, "int64", mt.Sum)
+    got = comm.allreduce(ints, op="sum", algorithm=algorithm, postscale_factor=0.25)
+    want = np.floor(reference(comm.size, 1001, "int64", mt.Sum) * 0.25).astype(np.int64)
+    assert_equal_all_ranks(comm, got, want, "integer postscale rounds toward -inf")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_shapes_out_and_noncontiguous(comm: mt.Communicator) -> None:
+    base = crafted(comm.rank, 4 * 6, "float32", mt.Sum).reshape(4, 6)
+    expected = reference(comm.size, 24, "float32", mt.Sum).reshape(4, 6)
+    out = np.empty((4, 6), np.float32)
+    assert comm.allreduce(base, out=out) is out
+    assert_equal_all_ranks(comm, out, expected, "out=")
+    strided = np.asfortranarray(base)
+    assert_equal_all_ranks(comm, comm.allreduce(strided), expected, "fortran-ordered input")
+    view = base.T  # non-contiguous, reduced through a copy that is written back
+    assert comm.allreduce_(view) is view
+    assert_equal_all_ranks(comm, base, expected, "allreduce_ on a transposed view")
+    scalar = np.float64(comm.rank + 1)
+    total = comm.allreduce(np.asarray(scalar))
+    assert total.shape == () and total == comm.size * (comm.size + 1) / 2
+
+
+@pytest.mark.mpi(min_size=1)
+def test_module_level_shortcuts(comm: mt.Communicator) -> None:
+    assert mt.init() is comm and mt.is_initialized()
+    assert (mt.rank(), mt.size()) == (comm.rank, comm.size)
+    assert mt.local_size() * mt.cross_size() >= mt.size() or mt.cross_size() >= 1
+    x = np.full(3, comm.rank, np.int32)
+    assert_equal_all_ranks(comm, mt.allreduce(x, mt.Max), np.full(3, comm.size - 1, np.int32),
+                           "mt.allreduce")
+    mt.allreduce_(x, "min")
+    assert_equal_all_ranks(comm, x, np.zeros(3, np.int32), "mt.allreduce_")

@@ -1,0 +1,44 @@
+"""Reduce-scatter: this rank's np.array_split block of the reduction, every case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
+
+import mpitrain as mt
+
+CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
+def test_reduce_scatter_matches_reference(comm: mt.Communicator, algorithm: str, dtype: str,
+                                          op: mt.ReduceOp) -> None:
+    for rows in sorted({0, 1, max(comm.size - 1, 0), 1001, 333_337}):
+        width = 3
+        x = crafted(comm.rank, rows * width, dtype, op).reshape(rows, width)
+        y = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+        full = reference(comm.size, rows * width, dtype, op).reshape(rows, width)
+        expected = np.array_split(full, comm.size)[comm.rank]
+        assert_equal_all_ranks(comm, y, expected, f"reduce_scatter {algorithm} rows={rows}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_scatter_segments_and_1d(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "16")
+    for count in (comm.size - 1, 50, 1001):
+        x = crafted(comm.rank, count, "float64", mt.Sum)
+        y = comm.reduce_scatter(x, algorithm="ring")
+        expected = np.array_split(reference(comm.size, count, "float64", mt.Sum),
+                                  comm.size)[comm.rank]
+        assert_equal_all_ranks(comm, y, expected, f"segmented reduce_scatter n={count}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_reduce_scatter_average_and_scaling(comm: mt.Communicator) -> None:
+    x = crafted(comm.rank, 40, "float64", mt.Sum).reshape(20, 2)
+    y = comm.reduce_scatter(x, op=mt.Average, prescale_factor=2.0)
+    full = reference(comm.size, 40, "float64", mt.Sum).reshape(20, 2) * 2.0 / comm.size
+    assert np.allclose(y, np.array_split(full, comm.size)[comm.rank], rtol=1e-12)

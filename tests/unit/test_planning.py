@@ -1,0 +1,128 @@
+"""Planning code and argument parsing, without launching MPI jobs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mpitrain as mt
+from mpitrain import config
+from mpitrain.algorithms import selection
+from mpitrain.algorithms.chunks import (
+    bounds_from_counts,
+    default_segment_bytes,
+    segment_bounds,
+    segment_count,
+    split_bounds,
+)
+from mpitrain.dtypes import SUPPORTED_DTYPES, check_dtype, check_op_for_dtype, dtype_code
+from mpitrain.ops import ReduceOp, parse_op
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 10, 1001])
+@pytest.mark.parametrize("unit", [1, 3])
+def test_split_bounds_matches_array_split(parts: int, rows: int, unit: int) -> None:
+    data = np.arange(rows * unit).reshape(rows, unit)
+    blocks = np.array_split(data, parts)
+    bounds = split_bounds(rows * unit, parts, unit)
+    assert len(bounds) == parts
+    for (lo, hi), block in zip(bounds, blocks):
+        assert np.array_equal(data.reshape(-1)[lo:hi], block.reshape(-1))
+
+
+def test_segments_cover_chunk_exactly() -> None:
+    for chunk in [(0, 0), (5, 6), (10, 1011)]:
+        for k in [1, 2, 7]:
+            segs = segment_bounds(chunk, k)
+            assert len(segs) == k
+            assert segs[0][0] == chunk[0] and segs[-1][1] == chunk[1]
+            assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
+    assert segment_count(0, 4, 100) == 1
+    assert segment_count(1000, 4, 0) == 1
+    assert segment_count(1000, 4, 400) == 10
+    assert segment_count(1001, 4, 400) == 11
+    assert bounds_from_counts([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
+
+
+def test_default_segment_bytes() -> None:
+    assert default_segment_bytes(1024, 4) == 0
+    assert default_segment_bytes(64 << 20, 2) == 1 << 20
+    assert 128 << 10 <= default_segment_bytes(4 << 20, 4) <= 1 << 20
+
+
+def test_parse_op() -> None:
+    assert parse_op("SUM") is mt.Sum and parse_op("average") is mt.Average
+    assert parse_op("prod") is mt.Product and parse_op(mt.Max) is mt.Max
+    assert mt.Average.reduction is ReduceOp.SUM and mt.Min.reduction is ReduceOp.MIN
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        parse_op("median")
+    with pytest.raises(ValueError):
+        parse_op(3)  # type: ignore[arg-type]
+
+
+def test_dtypes_table() -> None:
+    names = {str(d) for d in SUPPORTED_DTYPES}
+    assert {"float16", "bfloat16", "float32", "int8", "uint64", "complex128"} <= names
+    assert len({dtype_code(d) for d in SUPPORTED_DTYPES}) == len(SUPPORTED_DTYPES)
+    with pytest.raises(TypeError, match="rank 3: dtype bool"):
+        check_dtype(bool, rank=3)
+    with pytest.raises(TypeError):
+        check_dtype("U3")
+    with pytest.raises(TypeError, match="undefined for complex"):
+        check_op_for_dtype(mt.Min, np.dtype("complex64"))
+
+
+def test_config_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MPITRAIN_SEGMENT_BYTES", raising=False)
+    assert config.SEGMENT_BYTES.get() == 0
+    monkeypatch.setenv("MPITRAIN_SEGMENT_BYTES", "64K")
+    assert config.SEGMENT_BYTES.get() == 65536
+    assert config.SEGMENT_BYTES.get(override=5) == 5
+    monkeypatch.setenv("MPITRAIN_SEGMENT_BYTES", "lots")
+    with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='lots'"):
+        config.SEGMENT_BYTES.get()
+    assert config.parse_size("1MiB") == 1 << 20 and config.parse_size("2g") == 2 << 30
+    assert config.parse_bool("on") and not config.parse_bool("0")
+    monkeypatch.delenv("MPITRAIN_SEGMENT_BYTES")
+    assert "MPITRAIN_ALGORITHM" in config.describe()
+
+
+def test_selection_table(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+    avail = ("ring", "mpi")
+    assert selection.select("allreduce", 4, 2, "numpy", avail) == "mpi"
+    assert selection.select("allreduce", 64 << 20, 2, "numpy", avail) == "ring"
+    assert selection.select("allreduce", 4, 2, "numpy", ("ring",)) == "ring"
+    path = tmp_path / "tune.json"  # type: ignore[operator]
+    selection.dump_rules([selection.Rule("allreduce", "ring", max_bytes=1 << 10)], str(path))
+    monkeypatch.setenv("MPITRAIN_TUNING_FILE", str(path))
+    assert selection.select("allreduce", 4, 2, "numpy", avail) == "ring"
+    assert selection.select("allreduce", 4096, 2, "numpy", avail) == "mpi"
+    bad = tmp_path / "bad.json"  # type: ignore[operator]
+    bad.write_text(json.dumps({"rules": [{"nope": 1}]}))
+    monkeypatch.setenv("MPITRAIN_TUNING_FILE", str(bad))
+    with pytest.raises(ValueError, match="regenerate it with mpitrain-tune"):
+        selection.select("allreduce", 4, 2, "numpy", avail)
+
+
+def test_error_hierarchy() -> None:
+    for cls in (mt.ArgumentError, mt.DtypeError, mt.MismatchError, mt.StallError,
+                mt.NotInitializedError):
+        assert issubclass(cls, mt.MpitrainError)
+    assert issubclass(mt.ArgumentError, ValueError) and issubclass(mt.DtypeError, TypeError)
+    assert issubclass(mt.MismatchError, RuntimeError)
+
+
+def test_not_initialized_message() -> None:
+    import mpitrain
+
+    saved = mpitrain._default
+    mpitrain._default = None
+    try:
+        with pytest.raises(mt.NotInitializedError, match=r"call mpitrain\.init"):
+            mpitrain.rank()
+    finally:
+        mpitrain._default = saved
