@@ -109,12 +109,9 @@ def start_timeline(path: str) -> None:
 
     Call it on every rank; only rank 0 of ``MPI.COMM_WORLD`` writes.
     """
-    global _active, _env_read
+    global _active
     with _lock:
-        _env_read = True
-        if _active is not None:
-            _active.close()
-            _active = None
+        stop_timeline()
         if MPI.COMM_WORLD.Get_rank() == 0:
             _active = Timeline(path)
 
