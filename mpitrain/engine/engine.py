@@ -51,6 +51,7 @@ from .request import Entry, Handle, Request
 if TYPE_CHECKING:
     from ..comm.communicator import Communicator
 
+_SIGNATURE_CACHE_SIZE = 4096
 EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
@@ -99,10 +100,12 @@ class Engine:
         self._runner = BucketRunner(self.comm)
         self._lane = next(_lanes)
         self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._incoming: list[Request] = []
         self._in_flight: set[str] = set()
         self._counters: dict[str, int] = {}
+        self._checked: set[tuple[Any, ReduceOp | None]] = set()
+        self._signatures: dict[tuple[Any, ...], str] = {}
         self._stopping = False
         self._closed: str | None = None  # why new submissions are refused
         self._pending: dict[str, Request] = {}  # progress thread only
@@ -117,13 +120,12 @@ class Engine:
     def allreduce(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
                   postscale: float, algorithm: str | None, inplace: bool) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
-        rop = parse_op(op)
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
         entry = self._entry(x, "allreduce_async_" if inplace else "allreduce_async", inplace,
                             rop)
         algo = self._check_algorithm("allreduce", algorithm, entry)
-        signature = (f"allreduce {rop.value} {_shape(entry)} prescale={prescale!r} "
-                     f"postscale={postscale!r} algorithm={algo}")
-        return self._submit("allreduce", name, signature, [entry], op=rop, prescale=prescale,
+        key = ("allreduce", rop, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
+        return self._submit("allreduce", name, key, [entry], op=rop, prescale=prescale,
                             postscale=postscale, algorithm=algo, inplace=inplace)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str, name: str | None,
@@ -133,25 +135,22 @@ class Engine:
         if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
             raise ArgumentError(f"rank {self.rank}: grouped_allreduce needs a list of arrays, "
                                 f"got {type(xs).__name__}")
-        rop = parse_op(op)
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
         what = "grouped_allreduce_" if inplace else "grouped_allreduce"
         entries = [self._entry(x, what, inplace, rop) for x in xs]
         algo = self._check_algorithm("allreduce", algorithm, *entries)
-        shapes = ", ".join(_shape(e) for e in entries)
-        signature = (f"grouped_allreduce {rop.value} [{shapes}] prescale={prescale!r} "
-                     f"postscale={postscale!r} algorithm={algo}")
-        return self._submit("grouped_allreduce", name, signature, entries, op=rop,
-                            prescale=prescale, postscale=postscale, algorithm=algo,
-                            inplace=inplace, grouped=True)
+        arrays = tuple((e.dtype, e.array.shape) for e in entries)
+        key = ("grouped_allreduce", rop, None, arrays, prescale, postscale, algo, 0)
+        return self._submit("grouped_allreduce", name, key, entries, op=rop, prescale=prescale,
+                            postscale=postscale, algorithm=algo, inplace=inplace, grouped=True)
 
     def allgather(self, x: Any, name: str | None, algorithm: str | None) -> Handle:
         """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
         entry = self._entry(x, "allgather_async", False, None)
         algo = self._check_algorithm("allgather", algorithm, entry)
-        trailing = ", ".join(str(d) for d in entry.array.shape[1:])
-        signature = f"allgather {entry.dtype}[*{', ' if trailing else ''}{trailing}] " \
-                    f"algorithm={algo}"
-        return self._submit("allgather", name, signature, [entry], algorithm=algo)
+        rows = (None, *entry.array.shape[1:])  # None: any number of rows
+        key = ("allgather", None, entry.dtype, rows, 1.0, 1.0, algo, 0)
+        return self._submit("allgather", name, key, [entry], algorithm=algo)
 
     def broadcast(self, x: Any, root: int, name: str | None, algorithm: str | None,
                   inplace: bool) -> Handle:
@@ -160,23 +159,23 @@ class Engine:
         entry = self._entry(x, "broadcast_async_" if inplace else "broadcast_async", inplace,
                             None)
         algo = self._check_algorithm("broadcast", algorithm, entry)
-        signature = f"broadcast root={int(root)} {_shape(entry)} algorithm={algo}"
-        return self._submit("broadcast", name, signature, [entry], algorithm=algo,
-                            root=int(root), inplace=inplace)
+        key = ("broadcast", None, entry.dtype, entry.array.shape, 1.0, 1.0, algo, int(root))
+        return self._submit("broadcast", name, key, [entry], algorithm=algo, root=int(root),
+                            inplace=inplace)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
                        postscale: float, algorithm: str | None) -> Handle:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
-        rop = parse_op(op)
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
         entry = self._entry(x, "reduce_scatter_async", False, rop)
         if entry.array.ndim == 0:
             raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "
                                 "0-d array; pass x.reshape(1) or a larger array")
         algo = self._check_algorithm("reduce_scatter", algorithm, entry)
-        signature = (f"reduce_scatter {rop.value} {_shape(entry)} prescale={prescale!r} "
-                     f"postscale={postscale!r} algorithm={algo}")
-        return self._submit("reduce_scatter", name, signature, [entry], op=rop,
-                            prescale=prescale, postscale=postscale, algorithm=algo)
+        key = ("reduce_scatter", rop, entry.dtype, entry.array.shape, prescale, postscale,
+               algo, 0)
+        return self._submit("reduce_scatter", name, key, [entry], op=rop, prescale=prescale,
+                            postscale=postscale, algorithm=algo)
 
     def _entry(self, x: Any, what: str, inplace: bool, op: ReduceOp | None) -> Entry:
         be = backend_for(x)
@@ -186,20 +185,38 @@ class Engine:
                 raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
                                     f"got {type(x).__name__}; use the out-of-place variant")
             self.comm._check_writeable(be, arr, what)
-        dt = self.comm._check_reducible(arr, op) if op is not None \
-            else check_dtype(arr.dtype, rank=self.rank)
-        return Entry(arr, be, dt, x if inplace else None)
+        if (arr.dtype, op) not in self._checked:  # a dtype/op pair is checked once
+            if op is None:
+                check_dtype(arr.dtype, rank=self.rank)
+            else:
+                self.comm._check_reducible(arr, op)
+            self._checked.add((arr.dtype, op))
+        return Entry(arr, be, arr.dtype, x if inplace else None)
 
-    def _check_algorithm(self, collective: str, algorithm: str | None, *entries: Entry) -> str:
-        """The requested algorithm (``auto`` resolves per bucket); unknown names raise."""
-        name = (algorithm or config.ALGORITHM.get()).lower()
-        if entries:
+    def _check_algorithm(self, collective: str, algorithm: str | None,
+                         *entries: Entry) -> str | None:
+        """The requested algorithm, checked; ``None`` (``MPITRAIN_ALGORITHM``, read when
+        the collective runs) if none was requested."""
+        if algorithm is None:
+            return None
+        name = algorithm.lower()
+        if name != "auto" and entries:
             self.comm._algorithm(collective, name, 0, entries[0].backend)
         return name
 
-    def _submit(self, kind: str, name: str | None, signature: str, entries: list[Entry],
+    def _signature(self, key: tuple[Any, ...]) -> str:
+        """The text of a signature key, built once per distinct key."""
+        text = self._signatures.get(key)
+        if text is None:
+            if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
+                self._signatures.clear()
+            text = self._signatures[key] = describe(key)
+        return text
+
+    def _submit(self, kind: str, name: str | None, key: tuple[Any, ...], entries: list[Entry],
                 **fields: Any) -> Handle:
         base = "allreduce" if kind == "grouped_allreduce" else kind
+        signature = self._signature(key)
         with self._cond:
             self._check_open()
             if name is None:
@@ -293,9 +310,10 @@ class Engine:
                 request.error = MismatchError(self._mismatch(name, signatures))
                 self._finish(request)
             else:
+                self._negotiator.remember(name, request.signature)
                 runnable.append(request)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
-            self._run(bucket, agreement.threshold, number, tl)
+            self._run(bucket, number, tl)
         if agreement.all_stopped:
             for request in list(self._pending.values()):
                 missing = self._negotiator.waiting_for(request.name)
@@ -310,12 +328,11 @@ class Engine:
             tl.flush()
         return agreement.news or bool(agreement.ready)
 
-    def _run(self, bucket: Bucket, threshold: int, number: int,
-             tl: timeline.Timeline | None) -> None:
+    def _run(self, bucket: Bucket, number: int, tl: timeline.Timeline | None) -> None:
         error: BaseException | None = None
         phases = []
         try:
-            phases = self._runner.run(bucket, threshold)
+            phases = self._runner.run(bucket)
         except Exception as exc:  # e.g. an MPI error: every request of the bucket gets it
             error = exc
         self.stats.collectives += 1
@@ -328,19 +345,23 @@ class Engine:
             for request in bucket.requests:
                 for phase, start, end in phases:
                     tl.span(self._lane, self._lane_name, request.name, phase, start, end, args)
+        done = []
         for request, _ in bucket.items:
             if error is not None and request.error is None:
                 request.error = error
             request.unfinished -= 1
             if request.unfinished == 0:
-                self._finish(request)
+                done.append(request)
+        self._finish(*done)
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, *requests: Request) -> None:
+        """Free the requests' names, then hand out their results (or errors)."""
         with self._cond:
-            self._in_flight.discard(request.name)
-        self.stats.operations += 1
-        error = request.error
-        request.handle._finish(None if error is not None else request.result, error)
+            self._in_flight.difference_update(r.name for r in requests)
+        self.stats.operations += len(requests)
+        for request in requests:
+            error = request.error
+            request.handle._finish(None if error is not None else request.result, error)
 
     def _abort(self, exc: BaseException) -> None:
         with self._cond:
@@ -368,8 +389,26 @@ class Engine:
         return config.CYCLE_TIME_MS.get() / 1000.0
 
 
-def _shape(entry: Entry) -> str:
-    return f"{entry.dtype}{list(entry.array.shape)}"
+def describe(key: tuple[Any, ...]) -> str:
+    """What every rank's submission of a name must agree on, as text (also shown when
+    ranks disagree): ``allreduce sum float32[4, 5] prescale=1.0 postscale=1.0 algorithm=auto``.
+    """
+    kind, op, dtype, shape, prescale, postscale, algorithm, root = key
+    words = [kind] if op is None else [kind, op.value]
+    if kind == "broadcast":
+        words.append(f"root={root}")
+    if dtype is None:  # a group: (dtype, shape) of each array
+        words.append("[" + ", ".join(_array_text(d, s) for d, s in shape) + "]")
+    else:
+        words.append(_array_text(dtype, shape))
+    if op is not None:
+        words += [f"prescale={prescale!r}", f"postscale={postscale!r}"]
+    words.append(f"algorithm={algorithm or 'default'}")
+    return " ".join(words)
+
+
+def _array_text(dtype: Any, shape: tuple[int | None, ...]) -> str:
+    return f"{dtype}[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
 
 
 @atexit.register

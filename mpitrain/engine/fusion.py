@@ -11,15 +11,16 @@ size. Buckets run in the order they were opened.
 :class:`BucketRunner` runs a bucket: pack -> prescale -> collective -> postscale ->
 unpack, where the middle three are one call of the engine's
 :class:`~mpitrain.Communicator`, so fused buffers get the same algorithm selection,
-plan cache and scaling as blocking calls. A bucket of one entry skips the fusion
-buffer and calls the communicator on the entry's own array.
+plan cache and scaling as blocking calls. The fusion buffer is a new array per
+bucket (one ``concatenate``); out-of-place results are views of it. A bucket of one
+entry skips the fusion buffer and calls the communicator on the entry's own array.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from .request import Entry, Request
 
@@ -89,7 +90,7 @@ def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
 
 
 class BucketRunner:
-    """Runs buckets on the engine's communicator, keeping one fusion buffer per dtype.
+    """Runs buckets on the engine's private communicator.
 
     Args:
         comm: the engine's private communicator.
@@ -97,17 +98,11 @@ class BucketRunner:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-        self._buffers: dict[tuple[str, Any], Any] = {}
 
-    def run(self, bucket: Bucket, keep_bytes: int) -> list[Phase]:
-        """Run ``bucket``, store each entry's output, and return the timed phases.
-
-        Args:
-            bucket: what to run.
-            keep_bytes: fusion buffers up to this size are kept for later buckets.
-        """
+    def run(self, bucket: Bucket) -> list[Phase]:
+        """Run ``bucket``, store each entry's output, and return the timed phases."""
         if len(bucket.items) > 1:
-            return self._fused(bucket, keep_bytes)
+            return self._fused(bucket)
         request, entry = bucket.items[0]
         start = _begin(bucket)
         c, a = self.comm, entry.array
@@ -128,43 +123,30 @@ class BucketRunner:
             entry.output = c.broadcast(a, request.root, request.algorithm)
         return [(self._collective_name(request), start, time.perf_counter())]
 
-    def _fused(self, bucket: Bucket, keep_bytes: int) -> list[Phase]:
+    def _fused(self, bucket: Bucket) -> list[Phase]:
+        """Pack into a new buffer, reduce it in place, copy in-place results back.
+
+        Out-of-place results are views of the buffer (no second copy), so the buffer
+        lives as long as any of them.
+        """
         request, first = bucket.items[0]
-        be, dt = first.backend, first.dtype
-        total = sum(entry.count for _, entry in bucket.items)
+        be = first.backend
         packing = time.perf_counter()
-        buf = self._buffer(be, dt, total, bucket.nbytes <= keep_bytes)
-        offset = 0
-        for _, entry in bucket.items:
-            n = entry.count
-            be.copy_into(buf[offset:offset + n].reshape(entry.array.shape), entry.array)
-            offset += n
+        buf = be.concatenate([be.flat(be.ascontiguous(entry.array)) for _, entry in bucket.items])
         start = _begin(bucket)
         self.comm.allreduce_(buf, request.op, request.algorithm, request.prescale,
                              request.postscale)
         unpacking = time.perf_counter()
         offset = 0
         for req, entry in bucket.items:
-            n = entry.count
-            view = buf[offset:offset + n].reshape(entry.array.shape)
+            view = buf[offset:offset + entry.count].reshape(entry.array.shape)
+            offset += entry.count
             if req.inplace:
                 be.copy_into(entry.array, view)
             else:
-                entry.output = be.empty(n, dt).reshape(entry.array.shape)
-                be.copy_into(entry.output, view)
-            offset += n
+                entry.output = view
         return [("PACK", packing, start), (self._collective_name(request), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
-
-    def _buffer(self, be: Any, dt: Any, count: int, keep: bool) -> Any:
-        """A flat buffer of ``count`` elements, reusing (and growing) the kept one."""
-        key = (be.name, dt)
-        buf = self._buffers.get(key)
-        if buf is None or buf.size < count:
-            buf = be.empty(count, dt)
-            if keep:
-                self._buffers[key] = buf
-        return buf[:count]
 
     def _collective_name(self, request: Request) -> str:
         return f"{request.kind.upper()}({self.comm.last_algorithm})"

@@ -9,11 +9,13 @@ announcements to the same ``table`` (name -> rank -> signature, in order of firs
 announcement), so every rank computes the same ``ready`` list, in the same order,
 from the same data.
 
-A cycle is an ``MPI_Iallgather`` of a small header (payload length, stop flag,
-fusion threshold),
-polled with a growing sleep so that a rank waiting for slower ranks does not burn a
-core, followed by an ``MPI_Allgatherv`` of the pickled announcements when any rank has
-some.
+Like Horovod's response cache, a (name, signature) pair that has run once gets a
+number, the same on every rank because numbers are handed out in ``ready`` order;
+later announcements of the pair send the number instead of the two strings. A cycle
+is one ``MPI_Iallgather`` of a fixed-size *slot* per rank (payload length, stop flag,
+threshold, and the payload itself when it fits), polled with a growing sleep so that
+a rank waiting for slower ranks does not burn a core; only a payload too large for
+the slot costs a second exchange (``MPI_Allgatherv``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,18 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 from mpi4py import MPI
 
 Signatures = dict[int, str]
+Announcement = Union[int, tuple[str, str]]  # a cached pair's number, or (name, signature)
+
+SLOT_BYTES = 4096
+_FIELDS = 3  # payload length, stop flag, threshold: int64s at the start of a slot
+_INLINE = SLOT_BYTES - 8 * _FIELDS
+CACHE_LIMIT = 1 << 16
 
 
 @dataclass
@@ -52,7 +61,7 @@ class Negotiator:
 
     Args:
         comm: the engine's communicator (used by the progress thread only).
-        max_poll_s: longest sleep between two tests of a pending header exchange.
+        max_poll_s: longest sleep between two tests of a pending exchange.
     """
 
     def __init__(self, comm: MPI.Intracomm, max_poll_s: float) -> None:
@@ -60,39 +69,71 @@ class Negotiator:
         self.size = comm.Get_size()
         self.max_poll_s = max_poll_s
         self.table: dict[str, Signatures] = {}
-        self._header = np.zeros(3, np.int64)
-        self._headers = np.zeros((self.size, 3), np.int64)
+        self.known: list[tuple[str, str]] = []  # number -> (name, signature)
+        self.numbers: dict[tuple[str, str], int] = {}
+        self._slot = np.zeros(SLOT_BYTES, np.uint8)
+        self._slots = np.zeros((self.size, SLOT_BYTES), np.uint8)
 
-    def exchange(self, announcements: list[tuple[str, str]], stopping: bool,
+    def exchange(self, pairs: list[tuple[str, str]], stopping: bool,
                  threshold: int) -> Agreement:
-        """One cycle: share ``announcements``, stop flag and threshold; return what is ready."""
-        payload = pickle.dumps(announcements, pickle.HIGHEST_PROTOCOL) if announcements else b""
-        self._header[:] = (len(payload), int(stopping), threshold)
-        self._poll(self.comm.Iallgather(self._header, self._headers))
-        lengths = [int(n) for n in self._headers[:, 0]]
+        """One cycle: share ``(name, signature)`` pairs, stop flag and threshold."""
+        numbers = self.numbers
+        announcements = [numbers.get(pair, pair) for pair in pairs]
+        payload = pickle.dumps(announcements, pickle.HIGHEST_PROTOCOL) if pairs else b""
+        self._slot[:8 * _FIELDS].view(np.int64)[:] = (len(payload), int(stopping), threshold)
+        if len(payload) <= _INLINE:
+            self._slot[8 * _FIELDS:8 * _FIELDS + len(payload)] = np.frombuffer(payload, np.uint8)
+        self._poll(self.comm.Iallgather(self._slot, self._slots))
+        fields = self._slots[:, :8 * _FIELDS].copy().view(np.int64)
+        lengths = [int(n) for n in fields[:, 0]]
         news = any(lengths)
         if news:
-            self._receive(payload, lengths)
+            for rank, data in enumerate(self._payloads(payload, lengths)):
+                self._record(rank, data)
         ready = [(name, sigs) for name, sigs in self.table.items() if len(sigs) == self.size]
         for name, _ in ready:
             del self.table[name]
-        return Agreement(ready, bool(self._headers[:, 1].all()), news,
-                         int(self._headers[:, 2].min()))
+        return Agreement(ready, bool(fields[:, 1].all()), news, int(fields[:, 2].min()))
+
+    def remember(self, name: str, signature: str) -> None:
+        """Number a pair that every rank agreed on (call in ``ready`` order everywhere).
+
+        Automatic names (``<kind>.noname.<n>``) never repeat, so they are not numbered.
+        """
+        if ".noname." in name:
+            return
+        if len(self.known) >= CACHE_LIMIT:  # every rank reaches the limit in the same cycle
+            self.known.clear()
+            self.numbers.clear()
+        self.numbers[(name, signature)] = len(self.known)
+        self.known.append((name, signature))
 
     def waiting_for(self, name: str) -> list[int]:
         """Ranks that have not yet announced ``name``."""
         have = self.table.get(name, {})
         return [r for r in range(self.size) if r not in have]
 
-    def _receive(self, payload: bytes, lengths: list[int]) -> None:
+    def _payloads(self, payload: bytes, lengths: list[int]) -> list[memoryview]:
+        """Every rank's payload: from the slots, or from a second exchange if any is long."""
+        if max(lengths) <= _INLINE:
+            start = 8 * _FIELDS
+            return [self._slots[r, start:start + n].data for r, n in enumerate(lengths)]
         displs = [sum(lengths[:r]) for r in range(self.size)]
         recv = bytearray(sum(lengths))
         self.comm.Allgatherv([payload, MPI.BYTE], [recv, (lengths, displs), MPI.BYTE])
         view = memoryview(recv)
-        for rank, (start, length) in enumerate(zip(displs, lengths)):
-            if length:
-                for name, signature in pickle.loads(view[start:start + length]):
-                    self.table.setdefault(name, {})[rank] = signature
+        return [view[d:d + n] for d, n in zip(displs, lengths)]
+
+    def _record(self, rank: int, data: memoryview) -> None:
+        if not len(data):
+            return
+        table, known = self.table, self.known
+        for item in pickle.loads(data):
+            name, signature = known[item] if isinstance(item, int) else item
+            sigs = table.get(name)
+            if sigs is None:
+                sigs = table[name] = {}
+            sigs[rank] = signature
 
     def _poll(self, request: MPI.Request) -> None:
         """Wait for ``request``: yield at once, then sleep 20 us doubling to ``max_poll_s``."""

@@ -34,7 +34,9 @@ class Handle:
         self.submitted_at: float = time.perf_counter()
         self.started_at: float | None = None
         self.finished_at: float | None = None
-        self._done = threading.Event()
+        self._done = False
+        self._unfinished = threading.Lock()  # held from creation until the result is set
+        self._unfinished.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
         self._request: Request | None = None  # keeps the buffers alive until done
@@ -45,32 +47,34 @@ class Handle:
         Raises the operation's error (e.g. :class:`~mpitrain.MismatchError`) instead,
         on every rank, as often as it is called.
         """
-        self._done.wait()
+        if not self._done:
+            with self._unfinished:
+                pass
         if self._error is not None:
             raise self._error
         return self._result
 
     def test(self) -> bool:
         """True once the operation is done (its result or error is ready); never blocks."""
-        return self._done.is_set()
+        return self._done
 
     @property
     def done(self) -> bool:
         """Same as :meth:`test`."""
-        return self._done.is_set()
+        return self._done
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self.finished_at = time.perf_counter()
         self._result, self._error = result, error
         self._request = None
-        self._done.set()
+        self._done = True
+        self._unfinished.release()
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done else "pending"
         return f"<mpitrain.Handle {self.name!r} {state}>"
 
 
-@dataclass
 class Entry:
     """One array of a request.
 
@@ -78,23 +82,18 @@ class Entry:
         array: the caller's array: the input, and the output of an in-place operation.
         backend: the array library of ``array``.
         dtype: its element type.
-        output: the result once computed (``array`` itself for in-place operations).
+        output: the result once computed (the caller's object for in-place operations).
+        count: number of elements.
+        nbytes: size in bytes.
     """
 
-    array: Any
-    backend: ArrayBackend
-    dtype: np.dtype[Any]
-    output: Any = None
+    __slots__ = ("array", "backend", "count", "dtype", "nbytes", "output")
 
-    @property
-    def count(self) -> int:
-        """Number of elements."""
-        return int(self.array.size)
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self.count * self.dtype.itemsize
+    def __init__(self, array: Any, backend: ArrayBackend, dtype: np.dtype[Any],
+                 output: Any = None) -> None:
+        self.array, self.backend, self.dtype, self.output = array, backend, dtype, output
+        self.count: int = array.size
+        self.nbytes: int = self.count * dtype.itemsize
 
 
 @dataclass
