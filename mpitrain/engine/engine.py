@@ -104,7 +104,7 @@ class Engine:
         self._incoming: list[Request] = []
         self._in_flight: set[str] = set()
         self._counters: dict[str, int] = {}
-        self._checked: set[tuple[Any, ReduceOp | None]] = set()
+        self._checked: set[tuple[Any, str | None]] = set()
         self._signatures: dict[tuple[Any, ...], str] = {}
         self._stopping = False
         self._closed: str | None = None  # why new submissions are refused
@@ -124,7 +124,7 @@ class Engine:
         entry = self._entry(x, "allreduce_async_" if inplace else "allreduce_async", inplace,
                             rop)
         algo = self._check_algorithm("allreduce", algorithm, entry)
-        key = ("allreduce", rop, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
+        key = ("allreduce", rop.value, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
         return self._submit("allreduce", name, key, [entry], op=rop, prescale=prescale,
                             postscale=postscale, algorithm=algo, inplace=inplace)
 
@@ -140,7 +140,7 @@ class Engine:
         entries = [self._entry(x, what, inplace, rop) for x in xs]
         algo = self._check_algorithm("allreduce", algorithm, *entries)
         arrays = tuple((e.dtype, e.array.shape) for e in entries)
-        key = ("grouped_allreduce", rop, None, arrays, prescale, postscale, algo, 0)
+        key = ("grouped_allreduce", rop.value, None, arrays, prescale, postscale, algo, 0)
         return self._submit("grouped_allreduce", name, key, entries, op=rop, prescale=prescale,
                             postscale=postscale, algorithm=algo, inplace=inplace, grouped=True)
 
@@ -172,7 +172,7 @@ class Engine:
             raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "
                                 "0-d array; pass x.reshape(1) or a larger array")
         algo = self._check_algorithm("reduce_scatter", algorithm, entry)
-        key = ("reduce_scatter", rop, entry.dtype, entry.array.shape, prescale, postscale,
+        key = ("reduce_scatter", rop.value, entry.dtype, entry.array.shape, prescale, postscale,
                algo, 0)
         return self._submit("reduce_scatter", name, key, [entry], op=rop, prescale=prescale,
                             postscale=postscale, algorithm=algo)
@@ -185,12 +185,13 @@ class Engine:
                 raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
                                     f"got {type(x).__name__}; use the out-of-place variant")
             self.comm._check_writeable(be, arr, what)
-        if (arr.dtype, op) not in self._checked:  # a dtype/op pair is checked once
+        checked = (arr.dtype, op and op.value)
+        if checked not in self._checked:  # a dtype/op pair is checked once
             if op is None:
                 check_dtype(arr.dtype, rank=self.rank)
             else:
                 self.comm._check_reducible(arr, op)
-            self._checked.add((arr.dtype, op))
+            self._checked.add(checked)
         return Entry(arr, be, arr.dtype, x if inplace else None)
 
     def _check_algorithm(self, collective: str, algorithm: str | None,
@@ -280,15 +281,20 @@ class Engine:
                             self._cond.wait_for(lambda: bool(self._incoming) or self._stopping)
                         elif not progressed:
                             self._cond.wait(self._cycle_seconds())
-                    incoming, self._incoming = self._incoming, []
-                    stopping = self._stopping
-                progressed = self._cycle(incoming, stopping)
+                progressed = self._step()
         except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
             self._abort(exc)
         finally:
             tl = timeline.current()
             if tl is not None:
                 tl.flush()
+
+    def _step(self) -> bool:
+        """Take the new submissions and run one cycle."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+            stopping = self._stopping
+        return self._cycle(incoming, stopping)
 
     def _cycle(self, incoming: list[Request], stopping: bool) -> bool:
         """Run one cycle; True if anything moved (on any rank)."""
@@ -300,17 +306,17 @@ class Engine:
         agreed_at = time.perf_counter()
         tl = timeline.current()
         runnable = []
-        for name, signatures in agreement.ready:
-            request = self._pending.pop(name)
+        pending, mismatched = self._pending, agreement.mismatched
+        for name in agreement.ready:
+            request = pending.pop(name)
             request.agreed_at = agreed_at
             if tl is not None:
                 tl.span(self._lane, self._lane_name, name, "QUEUE", request.handle.submitted_at,
                         agreed_at)
-            if len(set(signatures.values())) > 1:
-                request.error = MismatchError(self._mismatch(name, signatures))
+            if mismatched and name in mismatched:
+                request.error = MismatchError(self._mismatch(name, mismatched[name]))
                 self._finish(request)
             else:
-                self._negotiator.remember(name, request.signature)
                 runnable.append(request)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
             self._run(bucket, number, tl)
@@ -364,6 +370,7 @@ class Engine:
             request.handle._finish(None if error is not None else request.result, error)
 
     def _abort(self, exc: BaseException) -> None:
+        self._finished = True
         with self._cond:
             self._closed = f"failed: {exc!r}"
             doomed = list(self._pending.values()) + self._incoming
@@ -394,7 +401,7 @@ def describe(key: tuple[Any, ...]) -> str:
     ranks disagree): ``allreduce sum float32[4, 5] prescale=1.0 postscale=1.0 algorithm=auto``.
     """
     kind, op, dtype, shape, prescale, postscale, algorithm, root = key
-    words = [kind] if op is None else [kind, op.value]
+    words = [kind] if op is None else [kind, op]
     if kind == "broadcast":
         words.append(f"root={root}")
     if dtype is None:  # a group: (dtype, shape) of each array

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,7 +95,6 @@ class Entry:
         self.nbytes: int = self.count * dtype.itemsize
 
 
-@dataclass
 class Request:
     """One named operation: what every rank must submit under ``name``.
 
@@ -105,28 +103,26 @@ class Request:
     ranks disagree. A grouped allreduce is one request of several entries.
     """
 
-    name: str
-    kind: str
-    signature: str
-    entries: list[Entry]
-    handle: Handle
-    op: ReduceOp = ReduceOp.SUM  # reducing collectives only
-    prescale: float = 1.0
-    postscale: float = 1.0
-    algorithm: str | None = None
-    root: int = 0
-    inplace: bool = False
-    grouped: bool = False
-    agreed_at: float = 0.0
-    unfinished: int = field(default=0)
-    error: BaseException | None = None
+    __slots__ = ("agreed_at", "algorithm", "entries", "error", "grouped", "handle", "inplace",
+                 "kind", "name", "op", "postscale", "prescale", "root", "signature",
+                 "unfinished")
 
-    def __post_init__(self) -> None:
-        self.unfinished = len(self.entries)
-        self.handle._request = self
+    def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
+                 handle: Handle, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
+                 postscale: float = 1.0, algorithm: str | None = None, root: int = 0,
+                 inplace: bool = False, grouped: bool = False) -> None:
+        self.name, self.kind, self.signature = name, kind, signature
+        self.entries, self.handle = entries, handle
+        self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
+        self.agreed_at = 0.0  # when every rank had submitted it
+        self.unfinished = len(entries)  # entries whose bucket has not run yet
+        self.error: BaseException | None = None
+        handle._request = self
 
     @property
     def result(self) -> Any:
         """What ``wait()`` returns: the output, or the list of outputs of a group."""
-        outputs = [e.output for e in self.entries]
-        return outputs if self.grouped else outputs[0]
+        if self.grouped:
+            return [e.output for e in self.entries]
+        return self.entries[0].output
