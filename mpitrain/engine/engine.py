@@ -93,7 +93,9 @@ class Engine:
                 f"rank {owner.rank}: async operations need MPI_THREAD_MULTIPLE, but MPI was "
                 "initialised with a lower thread level; leave mpi4py.rc.thread_level at its "
                 "default ('multiple')")
-        self.comm = type(owner)(owner.mpi_comm)
+        from ..comm.communicator import Communicator  # the comm layer imports this module
+
+        self.comm = Communicator(owner.mpi_comm)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.stats = EngineStats()
         self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds())
