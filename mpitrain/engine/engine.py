@@ -46,7 +46,7 @@ from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import Negotiator, Signatures
-from .request import Entry, Handle, Request
+from .request import Entry, Handle, Request, Waiters
 
 if TYPE_CHECKING:
     from ..comm.communicator import Communicator
@@ -98,7 +98,8 @@ class Engine:
         self.comm = Communicator(owner.mpi_comm)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.stats = EngineStats()
-        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds())
+        self._waiters = Waiters()
+        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds(), self._waiters)
         self._runner = BucketRunner(self.comm)
         self._lane = next(_lanes)
         self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
@@ -242,8 +243,8 @@ class Engine:
                     "flight; wait for its handle before submitting that name again, or give "
                     "this one another name")
             request = Request(name, "allreduce" if grouped else kind, signature, entries,
-                              Handle(name), op, prescale, postscale, algorithm, root, inplace,
-                              grouped, fusion)
+                              Handle(name, self._waiters), op, prescale, postscale, algorithm,
+                              root, inplace, grouped, fusion)
             if not entries:  # an empty group: nothing to agree on or to move
                 request.handle._finish([], None)
                 return request.handle

@@ -17,8 +17,8 @@ later announcements of the pair send the number instead of the two strings. A cy
 is one ``MPI_Iallgather`` of a fixed-size *slot* per rank (payload length, stop flag,
 threshold, and the payload itself when it fits), polled with a growing sleep so that
 a rank waiting for slower ranks does not burn a core (after a first 100 us of tests,
-enough for ranks that are in step); only a payload too large for
-the slot costs a second exchange (``MPI_Allgatherv``).
+enough for ranks that are in step, and unless the caller is blocked waiting anyway);
+only a payload too large for the slot costs a second exchange (``MPI_Allgatherv``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Union
 
 import numpy as np
 from mpi4py import MPI
+
+from .request import Waiters
 
 Signatures = dict[int, str]
 Announcement = Union[int, tuple[str, str]]  # a cached pair's number, or (name, signature)
@@ -71,10 +73,12 @@ class Negotiator:
     Args:
         comm: the engine's communicator (used by the progress thread only).
         max_poll_s: longest sleep between two tests of a pending exchange.
+        waiters: how many callers are blocked on the engine's handles.
     """
 
-    def __init__(self, comm: MPI.Intracomm, max_poll_s: float) -> None:
+    def __init__(self, comm: MPI.Intracomm, max_poll_s: float, waiters: Waiters) -> None:
         self.comm = comm
+        self.waiters = waiters
         self.size = comm.Get_size()
         self.max_poll_s = max_poll_s
         self.table: dict[str, Signatures] = {}
@@ -168,7 +172,9 @@ class Negotiator:
 
     def _poll(self, request: MPI.Request) -> None:
         """Wait for ``request``: test it for up to ``SPIN_S`` (ranks that are in step
-        meet within that), then sleep between tests, 20 us doubling to ``max_poll_s``."""
+        meet within that); then, while a caller is blocked in ``wait()`` (so this
+        process has nothing else to run), wait inside MPI like a blocking call does;
+        otherwise sleep between tests, 20 us doubling to ``max_poll_s``."""
         spin_until = time.perf_counter() + SPIN_S
         while not request.Test():
             if time.perf_counter() > spin_until:
@@ -178,5 +184,8 @@ class Negotiator:
             return
         delay = 20e-6
         while not request.Test():
+            if self.waiters.blocked:
+                request.Wait()
+                return
             time.sleep(delay)
             delay = min(2.0 * delay, self.max_poll_s)

@@ -18,6 +18,19 @@ from ..backends import ArrayBackend
 from ..ops import ReduceOp
 
 
+class Waiters:
+    """How many callers are blocked in :meth:`Handle.wait` on one engine's handles."""
+
+    def __init__(self) -> None:
+        self.blocked = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more (or fewer) blocked callers."""
+        with self._lock:
+            self.blocked += n
+
+
 class Handle:
     """A collective in flight: ``wait()`` for its result, ``test()`` to poll it.
 
@@ -28,8 +41,9 @@ class Handle:
         finished_at: when its result was ready (``None`` before that).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, waiters: Waiters | None = None) -> None:
         self.name = name
+        self._waiters = waiters
         self.submitted_at: float = time.perf_counter()
         self.started_at: float | None = None
         self.finished_at: float | None = None
@@ -47,8 +61,15 @@ class Handle:
         on every rank, as often as it is called.
         """
         if not self._done:
-            with self._unfinished:
-                pass
+            waiters = self._waiters
+            if waiters is not None:
+                waiters.add(1)
+            try:
+                with self._unfinished:
+                    pass
+            finally:
+                if waiters is not None:
+                    waiters.add(-1)
         if self._error is not None:
             raise self._error
         return self._result
