@@ -68,7 +68,17 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (ALGORITHM, SEGMENT_BYTES, TUNING_FILE)  # type: ignore[assignment]
+FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
+                           "Async allreduces are packed into fusion buffers of up to this "
+                           "many bytes; 0 turns fusion off.")
+CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
+                        "Async engine: pause after a cycle in which nothing moved, and the "
+                        "longest sleep while polling for other ranks (milliseconds).")
+TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
+                   "Chrome-trace file that rank 0 writes the async engine's timeline to.")
+
+ALL_SETTINGS: tuple[Setting[object], ...] = (ALGORITHM, SEGMENT_BYTES, TUNING_FILE,  # type: ignore[assignment]
+                                             FUSION_THRESHOLD, CYCLE_TIME_MS, TIMELINE)
 
 
 def describe() -> str:

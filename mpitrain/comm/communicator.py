@@ -19,6 +19,7 @@ from .. import algorithms, config
 from ..algorithms.chunks import Bounds, bounds_from_counts, default_segment_bytes, split_bounds
 from ..backends import ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_code
+from ..engine import AsyncCollectives
 from ..errors import ArgumentError, MismatchError
 from ..ops import ReduceOp, parse_op
 from .topology import Topology
@@ -28,7 +29,7 @@ Array = Any
 _PLAN_CACHE_SIZE = 32
 
 
-class Communicator:
+class Communicator(AsyncCollectives):
     """Collectives over the ranks of an MPI intracommunicator.
 
     Args:
@@ -36,7 +37,8 @@ class Communicator:
             duplicates it, so its messages never interfere with the caller's.
 
     Every method is collective: all ranks of the communicator must call it, in the
-    same order, with agreeing arguments.
+    same order, with agreeing arguments. The asynchronous methods (``allreduce_async``,
+    ``grouped_allreduce``, ...) come from :class:`~mpitrain.engine.AsyncCollectives`.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None) -> None:
@@ -49,6 +51,7 @@ class Communicator:
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.topology = Topology.detect(self.mpi_comm)
         self._plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.last_algorithm = ""  # the algorithm of the latest call (shown by the timeline)
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -292,7 +295,12 @@ class Communicator:
         return self.mpi_comm.allgather(obj)
 
     def free(self) -> None:
-        """Release the communicator's private MPI resources (collective)."""
+        """Release the communicator's private MPI resources (collective).
+
+        Stops the async engine first: operations every rank submitted are finished,
+        the others fail.
+        """
+        self._stop_async_engine()
         self._plans.clear()
         self.topology.free()
         self.transport.free()
@@ -331,10 +339,11 @@ class Communicator:
         available = algorithms.ALGORITHMS[collective]
         name = (requested or config.ALGORITHM.get()).lower()
         if name == "auto":
-            return algorithms.select(collective, nbytes, self.size, be.name, available)
-        if name not in available:
+            name = algorithms.select(collective, nbytes, self.size, be.name, available)
+        elif name not in available:
             raise ArgumentError(f"rank {self.rank}: unknown {collective} algorithm "
                                 f"{name!r}; use one of auto, {', '.join(available)}")
+        self.last_algorithm = name
         return name
 
     def _plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
