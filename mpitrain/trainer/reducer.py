@@ -217,12 +217,13 @@ class GradientReducer(Generic[P]):
         packed = [self.compression.compress(v) for v in grads]
         sent = [c for c, _ in packed]
         buffers = [self.bridge.buffer(c) for c in sent]
-        kwargs = dict(op=self.op, name=f"grad.{self._group_name(group)}",
-                      prescale_factor=self.prescale, postscale_factor=self.postscale)
+        name = f"grad.{self._group_name(group)}"
         if len(group) == 1:
-            handle = self.comm.allreduce_async_(buffers[0], **kwargs)
+            handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
+                                                self.postscale)
         else:
-            handle = self.comm.grouped_allreduce_async_(buffers, **kwargs)
+            handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
+                                                        self.postscale)
 
         def collect() -> list[Any]:
             handle.wait()  # in place: the sent values hold the sums
