@@ -21,6 +21,7 @@ from ..backends import ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_code
 from ..errors import ArgumentError, MismatchError
 from ..ops import ReduceOp, parse_op
+from . import objects
 from .topology import Topology
 from .transport import Transport
 
@@ -103,6 +104,7 @@ class Communicator:
         Returns:
             A new array (or ``out``) with the reduction.
         """
+        self.transport.begin("allreduce")
         be = backend_for(x)
         arr = be.asarray(x)
         rop = parse_op(op)
@@ -124,6 +126,7 @@ class Communicator:
 
         A non-contiguous ``x`` is reduced through a contiguous copy written back.
         """
+        self.transport.begin("allreduce_")
         be = backend_for(x)
         arr = be.asarray(x)
         if arr is not x and not isinstance(x, type(arr)):
@@ -175,6 +178,7 @@ class Communicator:
         Returns:
             A new array of shape ``(rows of this rank,) + x.shape[1:]``.
         """
+        self.transport.begin("reduce_scatter")
         be = backend_for(x)
         arr = be.asarray(x)
         rop = parse_op(op)
@@ -209,6 +213,7 @@ class Communicator:
         Returns:
             A new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
         """
+        self.transport.begin("allgather")
         be = backend_for(x)
         arr = be.asarray(x)
         dt = check_dtype(arr.dtype, rank=self.rank)
@@ -232,7 +237,7 @@ class Communicator:
         mine = np.array([arr.shape[0], dtype_code(dt), hash(trailing) & ((1 << 62) - 1)],
                         dtype=np.int64)
         table = np.empty((self.size, 3), dtype=np.int64)
-        self.mpi_comm.Allgather(mine, table)
+        self.transport.collective(self.mpi_comm.Allgather, self.mpi_comm.Iallgather, mine, table)
         if np.any(table[:, 1:] != table[0, 1:]):
             details = self.mpi_comm.allgather((str(dt), trailing))
             bad = next(i for i in range(self.size) if details[i] != details[0])
@@ -248,6 +253,7 @@ class Communicator:
 
         On other ranks ``x`` only gives the shape and dtype (like Horovod).
         """
+        self.transport.begin("broadcast")
         be = backend_for(x)
         arr = be.asarray(x)
         out = be.empty(arr.size, check_dtype(arr.dtype, rank=self.rank)).reshape(arr.shape)
@@ -257,6 +263,7 @@ class Communicator:
 
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
+        self.transport.begin("broadcast_")
         be = backend_for(x)
         arr = be.asarray(x)
         check_dtype(arr.dtype, rank=self.rank)
@@ -280,16 +287,19 @@ class Communicator:
     # -- objects and synchronisation --------------------------------------------------
     def barrier(self) -> None:
         """Block until every rank has called :meth:`barrier`."""
-        self.mpi_comm.Barrier()
+        self.transport.begin("barrier")
+        self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
+        self.transport.begin("broadcast_object")
         self._check_root(root)
-        return self.mpi_comm.bcast(obj, root=root)
+        return objects.broadcast_object(self.transport, obj, root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's ``obj``, in rank order."""
-        return self.mpi_comm.allgather(obj)
+        self.transport.begin("allgather_object")
+        return objects.allgather_object(self.transport, obj)
 
     def free(self) -> None:
         """Release the communicator's private MPI resources (collective)."""
