@@ -16,6 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import excepthook
 from .comm import Communicator
 from .errors import (
     ArgumentError,
@@ -36,9 +37,12 @@ _default: Communicator | None = None
 def init(comm: MPI.Intracomm | None = None) -> Communicator:
     """Create the default communicator (a duplicate of ``comm``, default COMM_WORLD).
 
-    Idempotent: later calls return the same communicator.
+    Idempotent: later calls return the same communicator. Also installs the hook that
+    ends the whole job when a rank dies of an uncaught exception (see
+    :mod:`mpitrain.excepthook`; ``MPITRAIN_ABORT_ON_EXCEPTION=0`` opts out).
     """
     global _default
+    excepthook.install()
     if _default is None:
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
     return _default
