@@ -104,7 +104,6 @@ class Communicator:
         Returns:
             A new array (or ``out``) with the reduction.
         """
-        self.transport.begin("allreduce")
         be = backend_for(x)
         arr = be.asarray(x)
         rop = parse_op(op)
@@ -126,7 +125,6 @@ class Communicator:
 
         A non-contiguous ``x`` is reduced through a contiguous copy written back.
         """
-        self.transport.begin("allreduce_")
         be = backend_for(x)
         arr = be.asarray(x)
         if arr is not x and not isinstance(x, type(arr)):
@@ -146,6 +144,8 @@ class Communicator:
     def _allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                         op: ReduceOp, algorithm: str | None, prescale: float,
                         postscale: float) -> None:
+        name = self._algorithm("allreduce", algorithm, src.size * dt.itemsize, be)
+        self.transport.begin("allreduce")
         if op is ReduceOp.AVERAGE:
             postscale = postscale / self.size
         if prescale != 1.0:
@@ -153,7 +153,6 @@ class Communicator:
                 be.copy_into(out, src)
                 src = out
             be.scale(out, prescale)
-        name = self._algorithm("allreduce", algorithm, src.size * dt.itemsize, be)
         if self.size == 1:
             if src is not out:
                 be.copy_into(out, src)
@@ -178,7 +177,6 @@ class Communicator:
         Returns:
             A new array of shape ``(rows of this rank,) + x.shape[1:]``.
         """
-        self.transport.begin("reduce_scatter")
         be = backend_for(x)
         arr = be.asarray(x)
         rop = parse_op(op)
@@ -196,6 +194,7 @@ class Communicator:
             src = src.copy()
             be.scale(src, prescale_factor)
         name = self._algorithm("reduce_scatter", algorithm, arr.size * dt.itemsize, be)
+        self.transport.begin("reduce_scatter")
         if self.size == 1:
             be.copy_into(result, src)
         else:
@@ -213,12 +212,12 @@ class Communicator:
         Returns:
             A new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
         """
-        self.transport.begin("allgather")
         be = backend_for(x)
         arr = be.asarray(x)
         dt = check_dtype(arr.dtype, rank=self.rank)
         if arr.ndim == 0:
             arr = arr.reshape(1)
+        self.transport.begin("allgather")
         rows = self._gather_rows(arr, dt)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         counts = [r * row for r in rows]
@@ -253,7 +252,6 @@ class Communicator:
 
         On other ranks ``x`` only gives the shape and dtype (like Horovod).
         """
-        self.transport.begin("broadcast")
         be = backend_for(x)
         arr = be.asarray(x)
         out = be.empty(arr.size, check_dtype(arr.dtype, rank=self.rank)).reshape(arr.shape)
@@ -263,7 +261,6 @@ class Communicator:
 
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
-        self.transport.begin("broadcast_")
         be = backend_for(x)
         arr = be.asarray(x)
         check_dtype(arr.dtype, rank=self.rank)
@@ -279,6 +276,7 @@ class Communicator:
         self._check_root(root)
         dt = buf.dtype
         name = self._algorithm("broadcast", algorithm, buf.size * dt.itemsize, be)
+        self.transport.begin("broadcast")
         if self.size > 1 and buf.size:
             chunks = split_bounds(buf.size, self.size)
             self._plan("broadcast", name, be, dt, None, chunks, root).run(be.flat(buf))
@@ -292,8 +290,8 @@ class Communicator:
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
-        self.transport.begin("broadcast_object")
         self._check_root(root)
+        self.transport.begin("broadcast_object")
         return objects.broadcast_object(self.transport, obj, root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
