@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import excepthook
+from . import elastic, excepthook
 from .comm import Communicator
 from .errors import (
     ArgumentError,
@@ -46,6 +46,13 @@ def init(comm: MPI.Intracomm | None = None) -> Communicator:
     if _default is None:
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
     return _default
+
+
+def _replace_default(comm: Communicator) -> None:
+    """Make ``comm`` the default communicator without freeing the old one, whose ranks
+    may be gone (used by :mod:`mpitrain.elastic` after a rank failure)."""
+    global _default
+    _default = comm
 
 
 def is_initialized() -> bool:
@@ -148,6 +155,6 @@ __all__ = [
     "Min", "MismatchError", "MpitrainError", "NotInitializedError", "Product", "ReduceOp",
     "StallError", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_",
     "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank", "cross_size",
-    "default_communicator", "init", "is_initialized", "local_rank", "local_size", "rank",
+    "default_communicator", "elastic", "init", "is_initialized", "local_rank", "local_size", "rank",
     "reduce_scatter", "shutdown", "size",
 ]

@@ -157,14 +157,15 @@ class Inspector:
         survey.done.wait(SURVEY_S + 1.0)
         return survey.result if survey.done.is_set() else None
 
-    def close(self) -> None:
-        """Stop serving and release the inspector communicator."""
+    def close(self, free: bool = True) -> None:
+        """Stop serving and (if ``free``) release the inspector communicator."""
         if self.comm is None:
             return
         _SERVER.remove(self)
         self._cancel()
-        with contextlib.suppress(MPI.Exception):  # revoked, or a failed peer
-            self.comm.Free()
+        if free:
+            with contextlib.suppress(MPI.Exception):  # revoked, or a failed peer
+                self.comm.Free()
         self.comm = None
 
     def _cancel(self) -> None:
