@@ -107,7 +107,8 @@ def slots(job: Job) -> int | None:
 def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
     """The ``mpiexec`` command line that runs ``job`` with ``kind`` (openmpi/mpich)."""
     exports = list(job.exports)
-    exports += [k for k in sorted(os.environ) if k.startswith("MPITRAIN_") or k == "PYTHONPATH"]
+    exports += [k for k in sorted(os.environ)
+                if (k.startswith("MPITRAIN_") and k != config.MPIEXEC.name) or k == "PYTHONPATH"]
     if job.elastic:
         exports.append("MPITRAIN_ELASTIC=1")
     exports = list(dict.fromkeys(exports))
@@ -166,7 +167,8 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
                         "its last checkpoint when it starts")
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow more ranks than slots even when the slots are not known")
-    p.add_argument("--mpi-args", default="", help="extra mpiexec arguments, one string")
+    p.add_argument("--mpi-args", default="", metavar="'ARGS'",
+                   help="extra mpiexec arguments, one string: --mpi-args='--tag-output'")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = p.parse_args(argv)

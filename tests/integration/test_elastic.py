@@ -13,7 +13,7 @@ import numpy as np
 from jobrun import JOBS, finish, launcher, start
 
 sys.path.insert(0, str(JOBS))
-import elastic_train as job  # the job's data, gradient and constants
+import train as job  # the job's data, gradient and constants
 
 TIMEOUT_S = 150.0
 
@@ -34,8 +34,8 @@ def reference(params: np.ndarray, first: int) -> tuple[list[np.ndarray], np.ndar
 def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> None:
     victim, victim_step = 2, 9
     started = time.monotonic()
-    proc = start(launcher(["-np", "4", "--elastic", str(JOBS / "elastic_train.py"),
-                           str(tmp_path), str(victim), str(victim_step)]))
+    proc = start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"), str(tmp_path),
+                           "--victim", str(victim), str(victim_step)]))
     pid_file = tmp_path / "victim.pid"
     while not (pid_file.exists() and pid_file.read_text()):
         assert proc.poll() is None, proc.communicate()[0]
@@ -63,3 +63,17 @@ def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> No
         np.testing.assert_allclose(log["final"], want, rtol=1e-12)
         np.testing.assert_allclose(log["final"], final, rtol=1e-12)
     assert "resumes from commit" in result.out
+
+
+def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:
+    """Under --elastic the excepthook kills the raising rank by SIGKILL; the others go on."""
+    result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), "--raise-at", "3", "16"])), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert "[rank 3] RuntimeError: rank 3 fails at step 16 on purpose" in result.out
+    assert "killing this rank so the others go on without it" in result.out
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in (0, 1, 2):
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["step"] for r in log["resumed"]] == [16] and log["size"] == 3
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
