@@ -79,3 +79,40 @@ def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, wh
             detail = (f"{wrong.size} wrong elements, first at {wrong[0]}: got "
                       f"{actual.reshape(-1)[wrong[0]]}, want {expected.reshape(-1)[wrong[0]]}")
     assert_all_ranks(comm, ok, f"{what}: {detail}")
+
+
+def check_allreduce(comm: mt.Communicator, algorithm: str, dtype: Any, op: ReduceOp,
+                    counts: list[int]) -> None:
+    """Allreduce and allreduce_ of crafted inputs of each count equal the reference."""
+    for count in counts:
+        expected = reference(comm.size, count, dtype, op)
+        x = crafted(comm.rank, count, dtype, op)
+        y = comm.allreduce(x, op=op, algorithm=algorithm)
+        assert_equal_all_ranks(comm, y, expected, f"allreduce {algorithm} {dtype} {op} n={count}")
+        assert_equal_all_ranks(comm, x, crafted(comm.rank, count, dtype, op),
+                               "allreduce must not modify its input")
+        assert comm.allreduce_(x, op=op, algorithm=algorithm) is x
+        assert_equal_all_ranks(comm, x, expected, f"allreduce_ {algorithm} {dtype} {op} n={count}")
+
+
+def check_reduce_scatter(comm: mt.Communicator, algorithm: str, dtype: Any, op: ReduceOp,
+                         rows: list[int], width: int = 3) -> None:
+    """Each rank's reduce_scatter block equals its np.array_split block of the reference."""
+    for n in rows:
+        x = crafted(comm.rank, n * width, dtype, op).reshape(n, width)
+        y = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+        full = reference(comm.size, n * width, dtype, op).reshape(n, width)
+        assert_equal_all_ranks(comm, y, np.array_split(full, comm.size)[comm.rank],
+                               f"reduce_scatter {algorithm} {dtype} {op} rows={n}")
+
+
+def check_allgather(comm: mt.Communicator, algorithm: str, dtype: Any,
+                    bases: list[int]) -> None:
+    """Allgather of blocks of ``base - rank`` rows (fewer on higher ranks, some empty)."""
+    for base in bases:
+        def block(r: int, base: int = base) -> np.ndarray[Any, Any]:
+            return crafted(r, max(base - r, 0) * 2, dtype, ReduceOp.SUM).reshape(-1, 2)
+
+        y = comm.allgather(block(comm.rank), algorithm=algorithm)
+        expected = np.concatenate([block(r) for r in range(comm.size)])
+        assert_equal_all_ranks(comm, y, expected, f"allgather {algorithm} {dtype} base={base}")

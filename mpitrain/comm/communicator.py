@@ -73,12 +73,12 @@ class Communicator:
 
     @property
     def cross_rank(self) -> int:
-        """Rank among the ranks with the same local rank (the node index)."""
+        """Index of this rank's node (nodes are numbered by their lowest rank)."""
         return self.topology.cross_rank
 
     @property
     def cross_size(self) -> int:
-        """Number of ranks with this local rank (the node count, when balanced)."""
+        """Number of nodes."""
         return self.topology.cross_size
 
     def __repr__(self) -> str:
@@ -331,7 +331,8 @@ class Communicator:
         available = algorithms.ALGORITHMS[collective]
         name = (requested or config.ALGORITHM.get()).lower()
         if name == "auto":
-            return algorithms.select(collective, nbytes, self.size, be.name, available)
+            return algorithms.select(collective, nbytes, self.size, be.name, available,
+                                     self.topology.node_count)
         if name not in available:
             raise ArgumentError(f"rank {self.rank}: unknown {collective} algorithm "
                                 f"{name!r}; use one of auto, {', '.join(available)}")
