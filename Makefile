@@ -12,7 +12,7 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi demo bench lint clean
+.PHONY: test unit test-mpi test-cluster demo bench lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-mpi: $(VENV)/.installed
 	  echo "== MPI suite at $$n ranks"; \
 	  $(RUN) -np $$n sh tests/mpi_rank.sh $(PYTEST) --with-mpi tests/mpi || exit 1; \
 	done
+
+# Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
+test-cluster: $(VENV)/.installed
+	tests/cluster/run.sh
 
 demo: $(VENV)/.installed
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi
