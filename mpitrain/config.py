@@ -68,7 +68,45 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (ALGORITHM, SEGMENT_BYTES, TUNING_FILE)  # type: ignore[assignment]
+
+def _parse_seconds(text: str) -> float:
+    """Seconds as a float; 0 (or ``off``/``none``) turns the feature off."""
+    if text.strip().lower() in ("off", "none", "never"):
+        return 0.0
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"seconds must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return lowered
+    return parse
+
+
+STALL_WARNING_S = Setting("MPITRAIN_STALL_WARNING_S", _parse_seconds, 60.0,
+                          "Warn when a collective has waited this long for other ranks (0: "
+                          "never); read when a Communicator is created.")
+STALL_TIMEOUT_S = Setting("MPITRAIN_STALL_TIMEOUT_S", _parse_seconds, 0.0,
+                          "Raise StallError (or abort) after this long; 0: wait forever.")
+STALL_ACTION = Setting("MPITRAIN_STALL_ACTION", _parse_choice("raise", "abort"), "raise",
+                       "At the stall timeout: raise mt.StallError, or abort the whole job.")
+ABORT_ON_EXCEPTION = Setting("MPITRAIN_ABORT_ON_EXCEPTION", _parse_bool, True,
+                             "mt.init() installs an excepthook that ends the whole job when "
+                             "one rank raises an uncaught exception.")
+ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
+                  "The job runs under ULFM (mpitrain-run --elastic): a failing rank kills "
+                  "itself by signal so that the survivors are notified.")
+MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
+                  "mpiexec used by mpitrain-run (default: next to python, then PATH).")
+
+ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
+    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, STALL_WARNING_S, STALL_TIMEOUT_S, STALL_ACTION,
+    ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC)
 
 
 def describe() -> str:

@@ -104,11 +104,11 @@ class RingSchedule:
             for k in range(K):
                 req = recvs[k]
                 if req is not None:
-                    req.Wait()
+                    t.wait(req)
                 if step >= 2:  # the send still reading this accumulator (reduce-scatter)
                     prev = sends[step - 1][k]
                     if prev is not None:
-                        prev.Wait()
+                        t.wait(prev)
                 lo, hi = self.segs[c][k]
                 dst = dst_of_step(step, c, k)
                 be.reduce_into(dst, src[lo:hi], self.scratch_view(scratch, c, k), op)
@@ -152,7 +152,7 @@ class RingSchedule:
             for k, (lo, hi) in enumerate(self.segs[c]):
                 req = recvs[step][k]
                 if req is not None:
-                    req.Wait()
+                    t.wait(req)
                     if forward:
                         sends.append(t.isend(as_bytes(out[lo:hi]), right, AG_TAG))
         t.waitall(sends)

@@ -21,6 +21,7 @@ from ..backends import ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_code
 from ..errors import ArgumentError, MismatchError
 from ..ops import ReduceOp, parse_op
+from . import objects
 from .topology import Topology
 from .transport import Transport
 
@@ -143,6 +144,8 @@ class Communicator:
     def _allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                         op: ReduceOp, algorithm: str | None, prescale: float,
                         postscale: float) -> None:
+        name = self._algorithm("allreduce", algorithm, src.size * dt.itemsize, be)
+        self.transport.begin("allreduce")
         if op is ReduceOp.AVERAGE:
             postscale = postscale / self.size
         if prescale != 1.0:
@@ -150,7 +153,6 @@ class Communicator:
                 be.copy_into(out, src)
                 src = out
             be.scale(out, prescale)
-        name = self._algorithm("allreduce", algorithm, src.size * dt.itemsize, be)
         if self.size == 1:
             if src is not out:
                 be.copy_into(out, src)
@@ -192,6 +194,7 @@ class Communicator:
             src = src.copy()
             be.scale(src, prescale_factor)
         name = self._algorithm("reduce_scatter", algorithm, arr.size * dt.itemsize, be)
+        self.transport.begin("reduce_scatter")
         if self.size == 1:
             be.copy_into(result, src)
         else:
@@ -214,6 +217,7 @@ class Communicator:
         dt = check_dtype(arr.dtype, rank=self.rank)
         if arr.ndim == 0:
             arr = arr.reshape(1)
+        self.transport.begin("allgather")
         rows = self._gather_rows(arr, dt)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         counts = [r * row for r in rows]
@@ -232,7 +236,7 @@ class Communicator:
         mine = np.array([arr.shape[0], dtype_code(dt), hash(trailing) & ((1 << 62) - 1)],
                         dtype=np.int64)
         table = np.empty((self.size, 3), dtype=np.int64)
-        self.mpi_comm.Allgather(mine, table)
+        self.transport.collective(self.mpi_comm.Allgather, self.mpi_comm.Iallgather, mine, table)
         if np.any(table[:, 1:] != table[0, 1:]):
             details = self.mpi_comm.allgather((str(dt), trailing))
             bad = next(i for i in range(self.size) if details[i] != details[0])
@@ -272,6 +276,7 @@ class Communicator:
         self._check_root(root)
         dt = buf.dtype
         name = self._algorithm("broadcast", algorithm, buf.size * dt.itemsize, be)
+        self.transport.begin("broadcast")
         if self.size > 1 and buf.size:
             chunks = split_bounds(buf.size, self.size)
             self._plan("broadcast", name, be, dt, None, chunks, root).run(be.flat(buf))
@@ -280,16 +285,19 @@ class Communicator:
     # -- objects and synchronisation --------------------------------------------------
     def barrier(self) -> None:
         """Block until every rank has called :meth:`barrier`."""
-        self.mpi_comm.Barrier()
+        self.transport.begin("barrier")
+        self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
         self._check_root(root)
-        return self.mpi_comm.bcast(obj, root=root)
+        self.transport.begin("broadcast_object")
+        return objects.broadcast_object(self.transport, obj, root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's ``obj``, in rank order."""
-        return self.mpi_comm.allgather(obj)
+        self.transport.begin("allgather_object")
+        return objects.allgather_object(self.transport, obj)
 
     def free(self) -> None:
         """Release the communicator's private MPI resources (collective)."""
