@@ -85,9 +85,9 @@ class RecursiveDoublingAllreduce:
         sends: list[Request | None] = [t.isend(as_bytes(acc[lo:hi]), peer, TAG) if send
                                        else None for lo, hi in self.segs]
         for (lo, hi), recv, sent in zip(self.segs, recvs, sends):
-            recv.Wait()
+            t.wait(recv)
             if sent is not None:  # out may be acc: its segment must have left first
-                sent.Wait()
+                t.wait(sent)
             be.reduce_into(out[lo:hi], acc[lo:hi], self.scratch[lo:hi], self.op)
 
     def _send(self, buf: Any, peer: int) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..comm.topology import Topology
 from ..comm.transport import Request, Transport
 from .base import PlanRequest
 from .chunks import Bounds, bounds_from_counts, split_bounds
@@ -61,6 +62,12 @@ def _phase(collective: str, req: PlanRequest, transport: Transport, chunks: list
     return _FLAT[collective][algorithm](sub)
 
 
+def _begin(topo: Topology, collective: str) -> None:
+    """Count a collective on both sub-transports (their stall inspectors report it)."""
+    topo.local.begin(collective)
+    topo.cross.begin(collective)
+
+
 def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
     """The allreduce of one shard of ``count`` elements across nodes."""
     sub = dataclasses.replace(req, transport=cross, chunks=tuple(split_bounds(count,
@@ -74,7 +81,7 @@ class HierarchicalAllreduce:
     """Intra-node reduce-scatter, inter-node allreduce per shard, intra-node allgather."""
 
     def __init__(self, req: PlanRequest) -> None:
-        topo = req.topology
+        self.topology = topo = req.topology
         columns, local = topo.min_local_size, topo.local
         shards = split_bounds(req.count, columns) + \
             [(req.count, req.count)] * (local.size - columns)
@@ -88,6 +95,7 @@ class HierarchicalAllreduce:
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
+        _begin(self.topology, "hierarchical allreduce")
         lo, hi = self.shard
         shard = out[lo:hi]
         self.intra_rs.run(src, shard)
@@ -161,7 +169,8 @@ class _ColumnPlan:
     """What hierarchical reduce-scatter and allgather share: layout and buffers."""
 
     def __init__(self, req: PlanRequest, collective: str) -> None:
-        topo, be, dt = req.topology, req.backend, req.dtype
+        self.topology = topo = req.topology
+        be, dt = req.backend, req.dtype
         self.local, self.backend = topo.local, be
         self.layout = lay = ColumnLayout.plan(req)
         self.chunks = list(req.chunks)
@@ -199,6 +208,7 @@ class HierarchicalReduceScatter(_ColumnPlan):
 
     def run(self, src: Any, out: Any) -> None:
         """``out`` = this rank's reduced chunk of ``src``."""
+        _begin(self.topology, "hierarchical reduce_scatter")
         be, lay = self.backend, self.layout
         packed = src
         if not lay.identity:
@@ -208,7 +218,8 @@ class HierarchicalReduceScatter(_ColumnPlan):
         if not self.is_rep:
             self.intra.run(packed, self.column)
             if out.size:
-                self.local.irecv(be.as_bytes(out), lay.representative, DELIVER_TAG).Wait()
+                self.local.wait(self.local.irecv(be.as_bytes(out), lay.representative,
+                                                 DELIVER_TAG))
             return
         block = out if self.own_block else self.block
         if self.inter is None:
@@ -231,6 +242,7 @@ class HierarchicalAllgather(_ColumnPlan):
 
     def run(self, block: Any, out: Any) -> None:
         """``out`` = concatenation of every rank's ``block``."""
+        _begin(self.topology, "hierarchical allgather")
         be, lay = self.backend, self.layout
         packed = out if lay.identity else self.packed
         if self.is_rep:
@@ -248,7 +260,8 @@ class HierarchicalAllgather(_ColumnPlan):
             self.intra.run(column, packed)
         else:
             if block.size:
-                self.local.isend(be.as_bytes(block), lay.representative, DELIVER_TAG).Wait()
+                self.local.wait(self.local.isend(be.as_bytes(block), lay.representative,
+                                                 DELIVER_TAG))
             self.intra.run(self.column, packed)
         if not lay.identity:
             for (lo, hi), (plo, phi) in zip(self.chunks, lay.packed):

@@ -3,8 +3,9 @@
 #
 # Brings up 3 emulated nodes with tools/netcluster/cluster.sh (network namespaces, one
 # hostname each, TCP between them, shared memory inside), runs the suite once per
-# layout (ranks per node, in host order), and always tears the cluster down, even on
-# failure or Ctrl-C. Needs root (ip netns, unshare); installs iproute2 and
+# layout (ranks per node, in host order), then the topology tests once more through
+# mpitrain-run (-H and --hostfile), and always tears the cluster down, even on failure
+# or Ctrl-C. Needs root (ip netns, unshare); installs iproute2 and
 # iputils-ping with apt-get when they are missing.
 #
 #   tests/cluster/run.sh                 # every layout below
@@ -54,8 +55,27 @@ for layout in "${layouts[@]}"; do
     failed+=("$layout")
   fi
 done
+# mpitrain-run on the cluster: started on node 1, with PRRTE's remote agent and the
+# cluster's subnet given through the environment (mpiexec and the ranks read it).
+state=$(dirname "$("$cluster" hostfile)")
+subnet=${CLUSTER_SUBNET:-10.77.0}.0/24
+for where in "-H $CLUSTER_NAME-n1:2,$CLUSTER_NAME-n2:2|2,2" "--hostfile $state/hosts|2,2,2"; do
+  args=${where%|*} layout=${where#*|}
+  IFS=, read -r -a per_node <<< "$layout"; n=0
+  for k in "${per_node[@]}"; do n=$((n + k)); done
+  echo "== mpitrain-run $args -np $n (topology tests)"
+  # shellcheck disable=SC2086  # $args is two words
+  if ! (cd "$repo" && "$cluster" exec 1 env PYTHONPATH="$repo" CLUSTER_LAYOUT="$layout" \
+          PRTE_MCA_plm_ssh_agent="$state/agent" PRTE_MCA_oob_tcp_if_include="$subnet" \
+          OMPI_MCA_btl_tcp_if_include="$subnet" \
+          "$python" -m mpitrain.run $args -np "$n" -x CLUSTER_LAYOUT \
+          sh tests/mpi_rank.sh "$python" -m pytest -p no:cacheprovider -q --color=no -rfE \
+          --with-mpi tests/cluster/test_cluster_topology.py); then
+    failed+=("mpitrain-run $args")
+  fi
+done
 if ((${#failed[@]})); then
-  echo "== tests/cluster FAILED for layouts: ${failed[*]}" >&2
+  echo "== tests/cluster FAILED for: ${failed[*]}" >&2
   exit 1
 fi
 echo "== tests/cluster passed for layouts: ${layouts[*]}"
