@@ -12,7 +12,7 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi integration soak demo bench lint clean
+.PHONY: test unit test-mpi integration soak test-cluster demo bench lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ integration: $(VENV)/.installed
 # 10,000 randomized collectives at 2..5 ranks, each checked against numpy (not in `test`).
 soak: $(VENV)/.installed
 	timeout 3600 $(PY) tests/soak.py --ranks 2,3,4,5 --total 10000
+
+# Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
+test-cluster: $(VENV)/.installed
+	tests/cluster/run.sh
 
 demo: $(VENV)/.installed
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi

@@ -98,12 +98,12 @@ def local_size() -> int:
 
 
 def cross_rank() -> int:
-    """Index of this process's node (rank among ranks with the same local rank)."""
+    """Index of this process's node (nodes are numbered by their lowest rank)."""
     return default_communicator().cross_rank
 
 
 def cross_size() -> int:
-    """Number of nodes (ranks with this local rank)."""
+    """Number of nodes."""
     return default_communicator().cross_size
 
 

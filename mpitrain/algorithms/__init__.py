@@ -10,15 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from .base import PlanRequest
+from .hierarchical import HierarchicalAllgather, HierarchicalAllreduce, HierarchicalReduceScatter
 from .native import NativeAllgather, NativeAllreduce, NativeBroadcast, NativeReduceScatter
 from .ring import RingAllgather, RingAllreduce, RingReduceScatter
 from .selection import select
 
 # collective -> algorithm name -> class; the first name is the fallback of "auto".
 REGISTRY: dict[str, dict[str, Any]] = {
-    "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce},
-    "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter},
-    "allgather": {"ring": RingAllgather, "mpi": NativeAllgather},
+    "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce,
+                  "hierarchical": HierarchicalAllreduce},
+    "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter,
+                       "hierarchical": HierarchicalReduceScatter},
+    "allgather": {"ring": RingAllgather, "mpi": NativeAllgather,
+                  "hierarchical": HierarchicalAllgather},
     "broadcast": {"mpi": NativeBroadcast},
 }
 

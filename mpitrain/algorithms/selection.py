@@ -1,8 +1,9 @@
 """Which algorithm runs a collective: one ordered table, first matching rule wins.
 
 A rule matches on the collective, the message size in bytes (``min_bytes <= nbytes <
-max_bytes``), the rank count and the buffer kind. The built-in table was measured on
-a 2-core host with Open MPI 5 (see BENCHMARKS.md); ``mpitrain-tune`` measures a
+max_bytes``), the rank count, the number of nodes the ranks span and the buffer kind.
+The built-in single-node rules were measured on a 2-core host with Open MPI 5, the
+multi-node ones on an emulated cluster (see BENCHMARKS.md); ``mpitrain-tune`` measures a
 cluster's own crossovers and writes a JSON file of rules that
 ``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every rank evaluates the
 same table on the same arguments, so every rank picks the same algorithm.
@@ -32,17 +33,20 @@ class Rule:
     min_ranks: int = 1
     max_ranks: int = 1 << 30
     buffer: str = "any"  # "numpy", "cupy" or "any"
+    min_nodes: int = 1
 
-    def matches(self, collective: str, nbytes: int, ranks: int, buffer: str) -> bool:
+    def matches(self, collective: str, nbytes: int, ranks: int, buffer: str,
+                nodes: int = 1) -> bool:
         """True if this rule applies to the call."""
         return (self.collective == collective and self.min_bytes <= nbytes < self.max_bytes
                 and self.min_ranks <= ranks <= self.max_ranks
-                and self.buffer in ("any", buffer))
+                and self.buffer in ("any", buffer) and nodes >= self.min_nodes)
 
 
 KiB, MiB = 1 << 10, 1 << 20
 
 DEFAULT_RULES: tuple[Rule, ...] = (
+    Rule("allreduce", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
     Rule("allreduce", "mpi", max_bytes=256 * KiB),
     Rule("allreduce", "ring"),
     Rule("reduce_scatter", "mpi", max_bytes=64 * KiB),
@@ -75,9 +79,13 @@ def _rules_for(path: str) -> tuple[Rule, ...]:
 
 
 def select(collective: str, nbytes: int, ranks: int, buffer: str,
-           available: tuple[str, ...]) -> str:
-    """The algorithm for a call, among the ``available`` ones for this call."""
+           available: tuple[str, ...], nodes: int = 1) -> str:
+    """The algorithm for a call, among the ``available`` ones for this call.
+
+    ``nodes`` is the number of nodes the ranks span (``Topology.node_count``).
+    """
     for rule in _rules_for(config.TUNING_FILE.get()):
-        if rule.algorithm in available and rule.matches(collective, nbytes, ranks, buffer):
+        if rule.algorithm in available and rule.matches(collective, nbytes, ranks, buffer,
+                                                        nodes):
             return rule.algorithm
     return available[0]

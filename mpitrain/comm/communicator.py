@@ -77,12 +77,12 @@ class Communicator(AsyncCollectives):
 
     @property
     def cross_rank(self) -> int:
-        """Rank among the ranks with the same local rank (the node index)."""
+        """Index of this rank's node (nodes are numbered by their lowest rank)."""
         return self.topology.cross_rank
 
     @property
     def cross_size(self) -> int:
-        """Number of ranks with this local rank (the node count, when balanced)."""
+        """Number of nodes."""
         return self.topology.cross_size
 
     def __repr__(self) -> str:
@@ -347,7 +347,8 @@ class Communicator(AsyncCollectives):
         available = algorithms.ALGORITHMS[collective]
         name = (requested or config.ALGORITHM.get()).lower()
         if name == "auto":
-            name = algorithms.select(collective, nbytes, self.size, be.name, available)
+            name = algorithms.select(collective, nbytes, self.size, be.name, available,
+                                     self.topology.node_count)
         elif name not in available:
             raise ArgumentError(f"rank {self.rank}: unknown {collective} algorithm "
                                 f"{name!r}; use one of auto, {', '.join(available)}")

@@ -7,7 +7,8 @@ first rank that sees a failure *revokes* the communicator, and every other rank'
 pending and later calls on it fail with ``ERR_REVOKED``. Then every survivor:
 
 1. :func:`abandon`\\ s the old :class:`~mpitrain.Communicator`: revokes its private
-   communicators (transport, node split) and stops its stall inspector;
+   communicators (transport, node split and the node split's transports) and stops
+   their stall inspectors;
 2. :func:`rebuild`\\ s: ``Shrink`` of the revoked transport communicator gives a
    communicator of the survivors, and a new ``Communicator`` on it plans rings and
    the node topology for the new size. ``Agree`` (a fault-tolerant AND) confirms
@@ -44,12 +45,14 @@ def rank_failure(exc: BaseException | None) -> MPI.Exception | None:
 def abandon(comm: Communicator) -> None:
     """Revoke every private communicator of ``comm`` and stop its stall inspector."""
     topology = comm.topology
-    for mpi_comm in (comm.transport.comm, topology.local_comm, topology.cross_comm,
-                     comm.transport.inspector.comm):
+    transports = (comm.transport, topology.local, topology.cross)
+    for mpi_comm in (topology.local_comm, topology.cross_comm,
+                     *(t.comm for t in transports), *(t.inspector.comm for t in transports)):
         if mpi_comm is not None and mpi_comm != MPI.COMM_NULL:
             with contextlib.suppress(MPI.Exception):
                 mpi_comm.Revoke()
-    comm.transport.inspector.close(free=False)
+    for t in transports:
+        t.inspector.close(free=False)
 
 
 def rebuild(old: Communicator) -> Communicator:

@@ -1,0 +1,268 @@
+"""Hierarchical collectives: shared memory inside a node, one shard per rank across nodes.
+
+The node split comes from the :class:`~mpitrain.comm.topology.Topology`: ``local``
+is the transport over the ranks of this node, ``cross`` the one over the ranks with
+this rank's local rank, one per node. Only the first ``columns`` local ranks (the
+size of the smallest node) exist on every node, so the buffer is cut into
+``columns`` *columns*: local rank ``i < columns`` handles column ``i`` across nodes,
+and the local ranks above (only on larger nodes) take part inside their node only.
+
+* **Allreduce**: the buffer is cut into ``columns`` shards. Intra-node
+  reduce-scatter: local rank ``i`` gets its node's sum of shard ``i``. Inter-node
+  allreduce of shard ``i`` among the local ranks ``i`` of all nodes, every local rank
+  at once, so all shards cross the links in parallel: recursive doubling (a single
+  exchange) for two nodes or small shards, the ring otherwise. Intra-node allgather
+  of the shards.
+* **Reduce-scatter** and **allgather** keep their contract (rank ``r`` gets, or
+  gives, chunk ``r``). Every rank belongs to column ``local_rank % columns``; the
+  *packed* layout orders the chunks by column, then node, then rank, so that a
+  column is contiguous and, inside it, so is each node's *block* (the chunks of that
+  node's ranks in the column). Reduce-scatter packs, reduce-scatters the columns
+  inside the node, reduce-scatters each column's node blocks across nodes, and the
+  column's first rank on the node (its *representative*) hands the other ranks of
+  its block their chunk. Allgather runs the same steps backwards. Where the packed
+  layout is the rank order (one node, or one rank per node) no copy is made.
+
+With one node the inter-node phase is empty and each collective is its flat
+intra-node form; with one rank per node the intra-node phases are empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..comm.topology import Topology
+from ..comm.transport import Request, Transport
+from .base import PlanRequest
+from .chunks import Bounds, bounds_from_counts, split_bounds
+from .doubling import RecursiveDoublingAllreduce
+from .native import NativeAllgather, NativeReduceScatter
+from .ring import RingAllgather, RingAllreduce, RingReduceScatter
+from .selection import select
+
+# Shards up to this size cross nodes by recursive doubling (fewer rounds); larger
+# ones by the ring (fewer bytes), except between two nodes, where both send the same.
+DOUBLING_MAX_BYTES = 64 << 10
+DELIVER_TAG = 31
+
+_FLAT = {
+    "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter},
+    "allgather": {"ring": RingAllgather, "mpi": NativeAllgather},
+}
+
+
+def _phase(collective: str, req: PlanRequest, transport: Transport, chunks: list[Bounds],
+           algorithm: str | None = None) -> Any:
+    """A flat plan of ``collective`` over ``transport``: ``algorithm`` or the table's."""
+    sub = dataclasses.replace(req, transport=transport, chunks=tuple(chunks))
+    if algorithm is None:
+        algorithm = select(collective, sub.count * req.dtype.itemsize, transport.size,
+                           req.backend.name, tuple(_FLAT[collective]))
+    return _FLAT[collective][algorithm](sub)
+
+
+def _begin(topo: Topology, collective: str) -> None:
+    """Count a collective on both sub-transports (their stall inspectors report it)."""
+    topo.local.begin(collective)
+    topo.cross.begin(collective)
+
+
+def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
+    """The allreduce of one shard of ``count`` elements across nodes."""
+    sub = dataclasses.replace(req, transport=cross, chunks=tuple(split_bounds(count,
+                                                                              cross.size)))
+    if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
+        return RecursiveDoublingAllreduce(sub)
+    return RingAllreduce(sub)
+
+
+class HierarchicalAllreduce:
+    """Intra-node reduce-scatter, inter-node allreduce per shard, intra-node allgather."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        self.topology = topo = req.topology
+        columns, local = topo.min_local_size, topo.local
+        shards = split_bounds(req.count, columns) + \
+            [(req.count, req.count)] * (local.size - columns)
+        self.shard = shards[local.rank]
+        # Our ring reads and writes the same buffer safely: the phases run in place.
+        self.intra_rs = _phase("reduce_scatter", req, local, shards, "ring")
+        self.intra_ag = _phase("allgather", req, local, shards, "ring")
+        lo, hi = self.shard
+        self.inter = _inter_allreduce(req, topo.cross, hi - lo) \
+            if local.rank < columns and topo.cross.size > 1 else None
+
+    def run(self, src: Any, out: Any) -> None:
+        """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
+        _begin(self.topology, "hierarchical allreduce")
+        lo, hi = self.shard
+        shard = out[lo:hi]
+        self.intra_rs.run(src, shard)
+        if self.inter is not None:
+            self.inter.run(shard, shard)
+        self.intra_ag.run(shard, out)
+
+
+@dataclasses.dataclass
+class ColumnLayout:
+    """Where every rank's chunk sits in the packed layout, and this rank's part in it.
+
+    Attributes:
+        packed: packed element range of each rank's chunk (indexed by rank).
+        columns: packed range of each column; ranks ``>= len(columns)`` of a node get
+            an empty range, so the list has one entry per local rank.
+        node_blocks: range of each node's block inside this rank's column, relative
+            to the column start (empty unless this rank is a representative).
+        members: ``(local rank, start, stop)`` of the chunks of this rank's block,
+            relative to the block start; the first is this rank's own.
+        representative: local rank that holds this rank's block.
+        identity: True when the packed layout is the rank order.
+    """
+
+    packed: list[Bounds]
+    columns: list[Bounds]
+    node_blocks: list[Bounds]
+    members: list[tuple[int, int, int]]
+    representative: int
+    identity: bool
+
+    @classmethod
+    def plan(cls, req: PlanRequest) -> ColumnLayout:
+        """The layout of ``req.chunks`` (one per rank) on ``req.topology``."""
+        topo, counts = req.topology, req.counts
+        ncols = topo.min_local_size
+
+        def block(node: int, col: int) -> list[int]:
+            return list(topo.nodes[node][col::ncols])
+
+        order = [r for col in range(ncols) for node in range(topo.node_count)
+                 for r in block(node, col)]
+        packed_of = dict(zip(order, bounds_from_counts([counts[r] for r in order])))
+        packed = [packed_of[r] for r in range(len(counts))]
+        col_sizes = [sum(counts[r] for node in range(topo.node_count)
+                         for r in block(node, col)) for col in range(ncols)]
+        columns = bounds_from_counts(col_sizes)
+        columns += [(columns[-1][1], columns[-1][1])] * (topo.local_size - ncols)
+        mine = topo.local_rank % ncols
+        ranks = block(topo.node, mine)
+        members = [(topo.nodes[topo.node].index(r), lo, hi) for r, (lo, hi)
+                   in zip(ranks, bounds_from_counts([counts[r] for r in ranks]))]
+        node_blocks = bounds_from_counts([sum(counts[r] for r in block(node, mine))
+                                          for node in range(topo.node_count)]) \
+            if topo.local_rank < ncols else []
+        return cls(packed, columns, node_blocks, members, mine,
+                   packed == list(req.chunks))
+
+    @property
+    def block_count(self) -> int:
+        """Elements of this rank's block."""
+        return self.members[-1][2]
+
+    @property
+    def own_count(self) -> int:
+        """Elements of this rank's own chunk."""
+        return self.members[0][2] - self.members[0][1]
+
+
+class _ColumnPlan:
+    """What hierarchical reduce-scatter and allgather share: layout and buffers."""
+
+    def __init__(self, req: PlanRequest, collective: str) -> None:
+        self.topology = topo = req.topology
+        be, dt = req.backend, req.dtype
+        self.local, self.backend = topo.local, be
+        self.layout = lay = ColumnLayout.plan(req)
+        self.chunks = list(req.chunks)
+        self.is_rep = topo.local_rank < topo.min_local_size
+        nodes = topo.node_count
+        self.intra = _phase(collective, req, topo.local, lay.columns)
+        self.inter = _phase(collective, req, topo.cross, lay.node_blocks) \
+            if self.is_rep and nodes > 1 else None
+        # The block goes straight to/from the caller's buffer when it is one chunk.
+        self.own_block = lay.block_count == lay.own_count
+        lo, hi = lay.columns[topo.local_rank]
+        self.column = be.empty(hi - lo if nodes > 1 else 0, dt)
+        self.block = be.empty(lay.block_count if self.is_rep and not self.own_block else 0, dt)
+        self.packed = be.empty(0 if lay.identity else req.count, dt)
+
+    def deliver(self, block: Any) -> list[Request | None]:
+        """Representative: send the other members of the block their chunks."""
+        as_bytes = self.backend.as_bytes
+        return [self.local.isend(as_bytes(block[lo:hi]), member, DELIVER_TAG)
+                for member, lo, hi in self.layout.members[1:] if hi > lo]
+
+    def collect(self, block: Any) -> list[Request | None]:
+        """Representative: receive the other members' chunks into the block."""
+        as_bytes = self.backend.as_bytes
+        return [self.local.irecv(as_bytes(block[lo:hi]), member, DELIVER_TAG)
+                for member, lo, hi in self.layout.members[1:] if hi > lo]
+
+
+class HierarchicalReduceScatter(_ColumnPlan):
+    """Pack, intra-node reduce-scatter of columns, inter-node reduce-scatter of node
+    blocks, hand-out of the block's chunks."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        super().__init__(req, "reduce_scatter")
+
+    def run(self, src: Any, out: Any) -> None:
+        """``out`` = this rank's reduced chunk of ``src``."""
+        _begin(self.topology, "hierarchical reduce_scatter")
+        be, lay = self.backend, self.layout
+        packed = src
+        if not lay.identity:
+            packed = self.packed
+            for (lo, hi), (plo, phi) in zip(self.chunks, lay.packed):
+                be.copy_into(packed[plo:phi], src[lo:hi])
+        if not self.is_rep:
+            self.intra.run(packed, self.column)
+            if out.size:
+                self.local.wait(self.local.irecv(be.as_bytes(out), lay.representative,
+                                                 DELIVER_TAG))
+            return
+        block = out if self.own_block else self.block
+        if self.inter is None:
+            self.intra.run(packed, block)
+        else:
+            self.intra.run(packed, self.column)
+            self.inter.run(self.column, block)
+        if not self.own_block:
+            sends = self.deliver(block)
+            be.copy_into(out, block[:lay.own_count])
+            self.local.waitall(sends)
+
+
+class HierarchicalAllgather(_ColumnPlan):
+    """Collection of the block's chunks, inter-node allgather of node blocks,
+    intra-node allgather of columns, unpack."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        super().__init__(req, "allgather")
+
+    def run(self, block: Any, out: Any) -> None:
+        """``out`` = concatenation of every rank's ``block``."""
+        _begin(self.topology, "hierarchical allgather")
+        be, lay = self.backend, self.layout
+        packed = out if lay.identity else self.packed
+        if self.is_rep:
+            mine = block
+            if not self.own_block:
+                mine = self.block
+                recvs = self.collect(mine)
+                if block.size:
+                    be.copy_into(mine[:lay.own_count], block)
+                self.local.waitall(recvs)
+            column = mine
+            if self.inter is not None:
+                self.inter.run(mine, self.column)
+                column = self.column
+            self.intra.run(column, packed)
+        else:
+            if block.size:
+                self.local.wait(self.local.isend(be.as_bytes(block), lay.representative,
+                                                 DELIVER_TAG))
+            self.intra.run(self.column, packed)
+        if not lay.identity:
+            for (lo, hi), (plo, phi) in zip(self.chunks, lay.packed):
+                be.copy_into(out[lo:hi], packed[plo:phi])
