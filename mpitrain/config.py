@@ -39,6 +39,14 @@ def _parse_size(text: str) -> int:
     return value
 
 
+def _parse_count(text: str) -> int:
+    """Parse an integer >= 1."""
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting(Generic[T]):
     """One ``MPITRAIN_*`` variable: its name, parser, default and meaning."""
@@ -68,7 +76,14 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (ALGORITHM, SEGMENT_BYTES, TUNING_FILE)  # type: ignore[assignment]
+CUDA_AWARE: Setting[bool | None] = Setting(
+    "MPITRAIN_CUDA_AWARE", _parse_bool, None,
+    "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
+                        "Pinned host segments per direction when staging device buffers.")
+
+ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
+    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, CUDA_AWARE, STAGING_SLOTS)
 
 
 def describe() -> str:

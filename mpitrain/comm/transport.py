@@ -8,11 +8,36 @@ raw bytes to ranks of this communicator and wait for them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from mpi4py import MPI
 
 Request = MPI.Request
+
+
+class PeerTransport(Protocol):
+    """What an algorithm may use: its ring neighbours and non-blocking byte messages.
+
+    :class:`Transport` is the host one; :mod:`.staging` has the device ones.
+    """
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    left: int
+    right: int
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        """Start sending ``buf``; returns a request with ``Wait()``."""
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        """Start receiving into ``buf``; returns a request with ``Wait()``."""
+
+    def forward(self, request: Any, buf: Any, dest: int, tag: int) -> Any:
+        """Send on what the waited receive ``request`` wrote into ``buf``."""
+
+    def waitall(self, requests: Sequence[Any]) -> None:
+        """Wait for every request that is not ``None``."""
 
 
 class Transport:
@@ -31,6 +56,10 @@ class Transport:
         # Bound methods: the hot loops call these without attribute lookups on MPI.
         self.isend = self.comm.Isend
         self.irecv = self.comm.Irecv
+
+    def forward(self, request: Request, buf: Any, dest: int, tag: int) -> Request:
+        """Send on what the completed receive ``request`` wrote into ``buf``."""
+        return self.isend(buf, dest, tag)
 
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
