@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ArgumentError
 
@@ -36,6 +36,14 @@ def _parse_size(text: str) -> int:
     value = int(float(stripped) * factor)
     if value < 0:
         raise ValueError(f"a size must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_count(text: str) -> int:
+    """Parse an integer >= 1."""
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
@@ -113,9 +121,15 @@ ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
 MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
                   "mpiexec used by mpitrain-run (default: next to python, then PATH).")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
-    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, STALL_WARNING_S, STALL_TIMEOUT_S, STALL_ACTION,
-    ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC, FUSION_THRESHOLD, CYCLE_TIME_MS, TIMELINE)
+CUDA_AWARE: Setting[bool | None] = Setting(
+    "MPITRAIN_CUDA_AWARE", _parse_bool, None,
+    "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
+                        "Pinned host segments per direction when staging device buffers.")
+
+
+ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, Setting))
 
 
 def describe() -> str:

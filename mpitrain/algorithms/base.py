@@ -19,7 +19,7 @@ import numpy as np
 
 from ..backends import ArrayBackend
 from ..comm.topology import Topology
-from ..comm.transport import Transport
+from ..comm.transport import PeerTransport
 from ..ops import ReduceOp
 from .chunks import Bounds
 
@@ -41,7 +41,7 @@ class PlanRequest:
         segment_bytes: pipeline segment size (0: whole chunks).
     """
 
-    transport: Transport
+    transport: PeerTransport
     topology: Topology
     backend: ArrayBackend
     dtype: np.dtype[Any]

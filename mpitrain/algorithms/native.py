@@ -82,6 +82,7 @@ class NativeAllreduce:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         if src is not out:
             self.backend.copy_into(out, src)
+            self.backend.synchronize()  # a device copy must be done before MPI reads out
         self.transport.collective(self.comm.Allreduce, self.comm.Iallreduce, MPI.IN_PLACE,
                                   _spec(self.backend, out, self.count, self.dt), self.mpi_op)
 

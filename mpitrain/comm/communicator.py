@@ -5,12 +5,19 @@ arguments locally (dtype, op, ``out``), picks an algorithm from the selection ta
 fetches (or builds once) the algorithm's plan for that shape, runs it on a private
 duplicate of the communicator, and applies ``prescale_factor``/``postscale_factor``.
 ``Average`` is ``Sum`` followed by a postscale of ``1/size``.
+
+Device arrays (CuPy, torch CUDA tensors, ...) take the same path: every collective
+accepts ``stream=`` (default: the current stream), runs on that stream and the
+array's device, and synchronizes the stream before MPI touches the data and before
+returning (:meth:`~mpitrain.backends.base.ArrayBackend.scope`). Their plans are
+built by the device transfer policy (:attr:`Communicator.cuda_policy`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -23,11 +30,24 @@ from ..engine import AsyncCollectives
 from ..errors import ArgumentError, MismatchError
 from ..ops import ReduceOp, parse_op
 from . import objects
+from .policy import device_policy, policy_for
 from .topology import Topology
 from .transport import Transport
 
 Array = Any
 _PLAN_CACHE_SIZE = 32
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _on_stream(method: _Method) -> _Method:
+    """Run a collective inside its array's backend scope (device and ``stream=``)."""
+
+    @functools.wraps(method)
+    def scoped(self: Communicator, x: Any, *args: Any, **kwargs: Any) -> Any:
+        with backend_for(x).scope(x, kwargs.get("stream")):
+            return method(self, x, *args, **kwargs)
+
+    return cast(_Method, scoped)
 
 
 class Communicator(AsyncCollectives):
@@ -85,27 +105,38 @@ class Communicator(AsyncCollectives):
         """Number of nodes."""
         return self.topology.cross_size
 
+    @property
+    def cuda_policy(self) -> str:
+        """How device buffers reach MPI in this process: ``"cuda-aware"`` (device
+        pointers) or ``"staged"`` (pinned host memory); see :mod:`.policy`."""
+        return device_policy().name
+
     def __repr__(self) -> str:
         return (f"<mpitrain.Communicator rank {self.rank}/{self.size}, local "
                 f"{self.local_rank}/{self.local_size}, cross {self.cross_rank}/{self.cross_size}>")
 
     # -- allreduce --------------------------------------------------------------------
+    @_on_stream
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  out: Array | None = None) -> Array:
+                  out: Array | None = None, *, stream: Any = None) -> Array:
         """Reduce ``x`` elementwise over all ranks and return the result on every rank.
 
         Args:
-            x: the array to reduce (numpy; any contiguity: non-contiguous input is copied).
+            x: the array to reduce: numpy, cupy or any CUDA array (torch tensor, ...);
+                any contiguity (non-contiguous input is copied).
             op: ``Sum``, ``Average``, ``Min``, ``Max``, ``Product`` or its name.
             algorithm: ``"auto"`` (default, from ``MPITRAIN_ALGORITHM``), ``"ring"`` or
                 ``"mpi"`` (the MPI library's own ``MPI_Allreduce``).
             prescale_factor: multiply each rank's input by this before reducing.
             postscale_factor: multiply the result by this (``Average`` adds ``1/size``).
             out: optional array of ``x``'s shape and dtype that receives the result.
+            stream: for device arrays, the CUDA stream to work on (default: current);
+                ignored for numpy.
 
         Returns:
-            A new array (or ``out``) with the reduction.
+            A new array (or ``out``) with the reduction; a CuPy array on ``x``'s device
+            for device input.
         """
         be = backend_for(x)
         arr = be.asarray(x)
@@ -121,16 +152,18 @@ class Communicator(AsyncCollectives):
                              prescale_factor, postscale_factor)
         return result
 
+    @_on_stream
     def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                    algorithm: str | None = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0) -> Array:
+                   postscale_factor: float = 1.0, *, stream: Any = None) -> Array:
         """In-place :meth:`allreduce`: ``x`` is overwritten with the result and returned.
 
-        A non-contiguous ``x`` is reduced through a contiguous copy written back.
+        A non-contiguous ``x`` is reduced through a contiguous copy written back. A
+        torch CUDA tensor is written in place through a zero-copy CuPy view.
         """
         be = backend_for(x)
         arr = be.asarray(x)
-        if arr is not x and not isinstance(x, type(arr)):
+        if not be.writes_through(arr, x):
             raise ArgumentError(f"rank {self.rank}: allreduce_ needs an array to write into, "
                                 f"got {type(x).__name__}; use allreduce() instead")
         rop = parse_op(op)
@@ -152,22 +185,20 @@ class Communicator(AsyncCollectives):
         if op is ReduceOp.AVERAGE:
             postscale = postscale / self.size
         if prescale != 1.0:
-            if src is not out:
-                be.copy_into(out, src)
-                src = out
-            be.scale(out, prescale)
+            be.scale_into(out, src, prescale)  # one pass: copy and prescale
+            src = out
         if self.size == 1:
-            if src is not out:
-                be.copy_into(out, src)
+            be.scale_into(out, src, postscale)
         else:
             chunks = split_bounds(src.size, self.size)
-            self._plan("allreduce", name, be, dt, op.reduction, chunks).run(src, out)
-        be.scale(out, postscale)
+            plan = self._plan("allreduce", name, be, dt, op.reduction, chunks)
+            _run_reducing(be, plan, src, out, postscale)
 
     # -- reduce-scatter ---------------------------------------------------------------
+    @_on_stream
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                        algorithm: str | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> Array:
+                       postscale_factor: float = 1.0, *, stream: Any = None) -> Array:
         """Reduce ``x`` over ranks and return this rank's block of axis 0.
 
         Blocks are those of ``np.array_split(x, size)``: with ``d`` rows, the first
@@ -175,7 +206,8 @@ class Communicator(AsyncCollectives):
 
         Args:
             x: array with at least one dimension, same shape on every rank.
-            op, algorithm, prescale_factor, postscale_factor: as for :meth:`allreduce`.
+            op, algorithm, prescale_factor, postscale_factor, stream: as for
+                :meth:`allreduce`.
 
         Returns:
             A new array of shape ``(rows of this rank,) + x.shape[1:]``.
@@ -194,23 +226,26 @@ class Communicator(AsyncCollectives):
         src = be.flat(be.ascontiguous(arr))
         postscale = postscale_factor / self.size if rop is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
-            src = src.copy()
-            be.scale(src, prescale_factor)
+            scaled = be.empty(src.size, dt)
+            be.scale_into(scaled, src, prescale_factor)
+            src = scaled
         name = self._algorithm("reduce_scatter", algorithm, arr.size * dt.itemsize, be)
         self.transport.begin("reduce_scatter")
         if self.size == 1:
-            be.copy_into(result, src)
+            be.scale_into(result, src, postscale)
         else:
-            self._plan("reduce_scatter", name, be, dt, rop.reduction, chunks).run(src, result)
-        be.scale(result, postscale)
+            plan = self._plan("reduce_scatter", name, be, dt, rop.reduction, chunks)
+            _run_reducing(be, plan, src, result, postscale)
         return result.reshape(((hi - lo) // row if row else 0, *tuple(arr.shape[1:])))
 
     # -- allgather --------------------------------------------------------------------
-    def allgather(self, x: Array, algorithm: str | None = None) -> Array:
+    @_on_stream
+    def allgather(self, x: Array, algorithm: str | None = None, *, stream: Any = None) -> Array:
         """Concatenate every rank's ``x`` along axis 0.
 
         Axis 0 may differ between ranks; the other axes and the dtype must agree (a
         disagreement raises :class:`~mpitrain.MismatchError` on every rank).
+        ``stream`` is as for :meth:`allreduce`.
 
         Returns:
             A new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
@@ -250,10 +285,13 @@ class Communicator(AsyncCollectives):
         return [int(r) for r in table[:, 0]]
 
     # -- broadcast --------------------------------------------------------------------
-    def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None) -> Array:
+    @_on_stream
+    def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None, *,
+                  stream: Any = None) -> Array:
         """Return a copy of the root's ``x`` on every rank.
 
-        On other ranks ``x`` only gives the shape and dtype (like Horovod).
+        On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
+        is as for :meth:`allreduce`.
         """
         be = backend_for(x)
         arr = be.asarray(x)
@@ -262,7 +300,9 @@ class Communicator(AsyncCollectives):
             be.copy_into(out, arr)
         return self._broadcast_inplace(be, out, root, algorithm)
 
-    def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None) -> Array:
+    @_on_stream
+    def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None, *,
+                   stream: Any = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
         be = backend_for(x)
         arr = be.asarray(x)
@@ -360,18 +400,29 @@ class Communicator(AsyncCollectives):
         """The cached plan of ``name`` for this call's shape, built on first use."""
         configured = config.SEGMENT_BYTES.get()
         segment = configured or default_segment_bytes(chunks[-1][1] * dt.itemsize, self.size)
-        key = (collective, name, be.name, dt, op, tuple(chunks), root, segment)
+        policy = policy_for(be)
+        key = (collective, name, be.name, be.device_id(), policy.name, dt, op, tuple(chunks),
+               root, segment)
         plan = self._plans.get(key)
         if plan is None:
             request = algorithms.PlanRequest(self.transport, self.topology, be, dt, op,
                                              tuple(chunks), root, segment)
-            plan = algorithms.build(collective, name, request)
+            plan = policy.build(collective, name, request)
             self._plans[key] = plan
             if len(self._plans) > _PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
+
+def _run_reducing(be: ArrayBackend, plan: Any, src: Array, out: Array, postscale: float) -> None:
+    """Run a reducing plan, with the postscale fused into it where the plan can."""
+    if getattr(plan, "fuses_postscale", False):
+        plan.run(src, out, postscale)
+    else:
+        plan.run(src, out)
+        be.scale(out, postscale)
+
 
 def _dims(shape: tuple[int, ...]) -> str:
     return ", ".join(str(d) for d in shape) if shape else ""

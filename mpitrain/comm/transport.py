@@ -19,7 +19,7 @@ so the transport is then *broken*: every later collective raises at once.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from mpi4py import MPI
 
@@ -32,6 +32,38 @@ _SPIN_S = 0.002
 """An interruptible wait spins on Test this long before it starts to sleep."""
 _MAX_PAUSE_S = 0.005
 """Longest sleep between two Tests of an interruptible wait."""
+
+
+class PeerTransport(Protocol):
+    """What an algorithm may use: its ring neighbours and non-blocking byte messages.
+
+    :class:`Transport` is the host one; :mod:`.staging` has the device ones.
+    """
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    left: int
+    right: int
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        """Start sending ``buf``; returns a request with ``Wait()``."""
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        """Start receiving into ``buf``; returns a request with ``Wait()``."""
+
+    def forward(self, request: Any, buf: Any, dest: int, tag: int) -> Any:
+        """Send on what the waited receive ``request`` wrote into ``buf``."""
+
+    def wait(self, request: Any) -> None:
+        """Wait for one request."""
+
+    def waitall(self, requests: Sequence[Any]) -> None:
+        """Wait for every request that is not ``None``."""
+
+    def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
+                   *args: Any) -> None:
+        """Run a native MPI collective on the private communicator."""
 
 
 class Transport:
@@ -73,6 +105,14 @@ class Transport:
         self.current = collective
         if self.inflight:
             self.inflight.clear()
+
+    def forward(self, request: Request, buf: Any, dest: int, tag: int) -> Request:
+        """Send on what the completed receive ``request`` wrote into ``buf``."""
+        return self.isend(buf, dest, tag)
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
 
     def wait(self, request: Request) -> None:
         """Wait for one request."""
