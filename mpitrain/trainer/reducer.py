@@ -194,8 +194,7 @@ class GradientReducer(Generic[P]):
 
     def handles(self) -> dict[str, Any]:
         """The engine handles in flight, by operation name (timestamps, ``test()``)."""
-        return {self._group_name(self.groups[g]): h
-                for g, sub in self._submitted.items() for h in sub.handles}
+        return {h.name: h for sub in self._submitted.values() for h in sub.handles}
 
     # -- internals --------------------------------------------------------------------
     def _reset(self) -> None:
