@@ -36,6 +36,14 @@ class Transport:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
         self.comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
 
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self.comm.Send(buf, dest, tag)
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+        self.comm.Recv(buf, source, tag)
+
     @staticmethod
     def waitall(requests: Sequence[Request | None]) -> None:
         """Wait for every request that is not ``None``."""
