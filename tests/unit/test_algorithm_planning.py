@@ -69,7 +69,7 @@ def test_virtual_blocks_partition_the_buffer(n: int, count: int) -> None:
 
 @pytest.mark.parametrize("width", [1, 3, 64])
 def test_stripes_cover_every_chunk(width: int) -> None:
-    chunks = tuple(split_bounds(1001, 3)) + ((1001, 1001),)
+    chunks = (*split_bounds(1001, 3), (1001, 1001))
     stripes = Stripes(chunks, width)
     for c, (lo, hi) in enumerate(chunks):
         covered = [stripes.bounds(c, j) for j in range(stripes.rounds)]
