@@ -21,7 +21,7 @@ from .. import algorithms, config
 from ..algorithms.chunks import bounds_from_counts, split_bounds
 from ..algorithms.shared_memory import offer_block
 from ..backends import NUMPY, ArrayBackend, backend_for
-from ..dtypes import check_dtype, check_op_for_dtype
+from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
 from ..errors import ArgumentError
 from ..ops import ReduceOp, parse_op
 from . import shm as shared
@@ -68,6 +68,7 @@ class Communicator:
         self._check = check
         self._plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._choices: dict[tuple[Any, ...], str] = {}
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -180,7 +181,7 @@ class Communicator:
             if src is not out:
                 be.copy_into(out, src)
         else:
-            sig = signature("allreduce", op.value, dt.name, shape or (count,), False, -1,
+            sig = signature("allreduce", op.value, dtype_name(dt), shape or (count,), False, -1,
                             prescale, postscale, name or "", alg) if self._checking() else None
             self._run("allreduce", alg, be, dt, op.reduction, (count,), 0, sig, src, out)
         be.scale(out, scale)
@@ -222,7 +223,7 @@ class Communicator:
         if n == 1:
             be.copy_into(result, src)
         else:
-            sig = signature("reduce_scatter", rop.value, dt.name, arr.shape, False, -1,
+            sig = signature("reduce_scatter", rop.value, dtype_name(dt), arr.shape, False, -1,
                             prescale_factor, postscale_factor, name or "", alg) \
                 if self._checking() else None
             self._run("reduce_scatter", alg, be, dt, rop.reduction, (count, row), 0, sig,
@@ -252,7 +253,7 @@ class Communicator:
             self._algorithm("allgather", algorithm, block.size * dt.itemsize, be, dt)
             return be.ascontiguous(arr).copy()
         requested = (algorithm or config.ALGORITHM.get()).lower()
-        sig = signature("allgather", "", dt.name, trailing, True, -1, 1.0, 1.0, name or "",
+        sig = signature("allgather", "", dtype_name(dt), trailing, True, -1, 1.0, 1.0, name or "",
                         requested)
         payload = offer_block(self.shm, be.as_bytes(block)) \
             if self.shm is not None and be is NUMPY else NO_PAYLOAD
@@ -297,7 +298,7 @@ class Communicator:
         alg = self._algorithm("broadcast", algorithm, count * dt.itemsize, be, dt)
         if self.size == 1:
             return buf
-        sig = signature("broadcast", "", dt.name, buf.shape, False, int(root), 1.0, 1.0,
+        sig = signature("broadcast", "", dtype_name(dt), buf.shape, False, int(root), 1.0, 1.0,
                         name or "", alg) if self._checking() else None
         self._run("broadcast", alg, be, dt, None, (count,), int(root), sig, be.flat(buf))
         return buf
@@ -386,13 +387,25 @@ class Communicator:
         A name from ``MPITRAIN_ALGORITHM`` that this collective (or this communicator)
         cannot run falls back to the table; a name passed as ``algorithm=`` raises.
         """
+        name = requested or config.ALGORITHM.get()
+        key = (collective, name, requested is None, nbytes, dt, be.name, config.TUNING_FILE.get())
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._choose(collective, name.lower(), requested is None, nbytes, be, dt)
+            if len(self._choices) >= 1024:
+                self._choices.clear()
+            self._choices[key] = choice
+        return choice
+
+    def _choose(self, collective: str, name: str, from_env: bool, nbytes: int,
+                be: ArrayBackend, dt: np.dtype[Any]) -> str:
+        """:meth:`_algorithm` without its memo."""
         available = self._available_for(collective, be)
-        name = (requested or config.ALGORITHM.get()).lower()
         if name in available or (self.size == 1 and name in algorithms.ALGORITHMS[collective]):
             return name
-        if name == "auto" or (requested is None and name in algorithms.KNOWN):
+        if name == "auto" or (from_env and name in algorithms.KNOWN):
             return algorithms.select(collective, nbytes, self.size, be.name, available,
-                                     dt.name)
+                                     dtype_name(dt))
         if name in algorithms.ALGORITHMS[collective]:
             raise ArgumentError(f"rank {self.rank}: the {name} {collective} needs every rank "
                                 "on one node and host (numpy) buffers; use algorithm='auto'")

@@ -74,8 +74,10 @@ class SharedMemory:
         self.slots = raw[off:off + slots_bytes].reshape(2, n, self.slot_bytes)
         off += slots_bytes
         self.arena = raw[off:off + n * self.arena_bytes].reshape(n, self.arena_bytes)
-        # Per parity, every rank's fingerprint as a memoryview (fast to compare).
+        # Per parity, every rank's fingerprint as a memoryview (fast to compare), and the
+        # whole header as a flat memoryview: field f of rank r is at f * n + r.
         self.fingerprints = [memoryview(self.headers[p, FP]) for p in range(2)]
+        self.header_words = [memoryview(self.headers[p].reshape(-1)) for p in range(2)]
         self.win.Lock_all()
         if self.rank == 0:
             raw[:flags_bytes + headers_bytes] = 0

@@ -145,11 +145,10 @@ class Validator:
         shm = self.shm
         if shm is not None:
             p = self.parity = shm.next_parity
-            h = shm.headers[p]
-            r = self.rank
-            h[FP, r] = fp
-            h[ROWS, r] = rows
-            h[PAYLOAD, r] = payload
+            words, r, n = shm.header_words[p], self.rank, self.size
+            words[FP * n + r] = fp
+            words[ROWS * n + r] = rows
+            words[PAYLOAD * n + r] = payload
             shm.wait(shm.arrive())
             if sig is not None:
                 fps = shm.fingerprints[p]
