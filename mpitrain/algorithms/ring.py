@@ -32,7 +32,7 @@ from ..backends import ArrayBackend
 from ..comm.transport import PeerTransport, Request
 from ..ops import ReduceOp
 from .base import PlanRequest
-from .chunks import Bounds, segment_bounds, segment_count
+from .chunks import Bounds, default_segment_bytes, segment_bounds, segment_count
 
 RS_TAG = 11
 AG_TAG = 12
@@ -56,6 +56,9 @@ class RingSchedule:
         self.n = transport.size
         self.chunks = chunks
         max_chunk = max(stop - start for start, stop in chunks)
+        itemsize = np.dtype(dtype).itemsize
+        if not segment_bytes:
+            segment_bytes = default_segment_bytes(chunks[-1][1] * itemsize, self.n)
         self.segments = segment_count(max_chunk, np.dtype(dtype).itemsize, segment_bytes)
         # segs[c][k] = absolute element range of segment k of chunk c.
         self.segs = [segment_bounds(c, self.segments) for c in chunks]

@@ -69,8 +69,8 @@ class NumpyBackend:
         return np.ascontiguousarray(arr)
 
     def flat(self, arr: Array) -> np.ndarray[Any, Any]:
-        """A flat view of a contiguous array."""
-        return arr.reshape(-1)
+        """A flat view of a contiguous array (the array itself when already flat)."""
+        return arr if arr.ndim == 1 else arr.reshape(-1)
 
     def as_bytes(self, flat: Array) -> np.ndarray[Any, Any]:
         """A uint8 view of a flat contiguous array."""

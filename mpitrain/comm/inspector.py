@@ -211,13 +211,12 @@ class Inspector:
         seq, collective = t.seq, t.current
         if self.warning_s and not self._warned and waited >= self.warning_s:
             self._warned = True
-            self._queue.append(Survey(lambda peers: log.warning(
-                "mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
-                "mpitrain.StallError.", describe(self.rank, collective, seq, waited, peers))))
+            self._queue.append(Survey(lambda peers: warn(
+                describe(self.rank, collective, seq, waited, peers))))
         if (self.timeout_s and self.action == "abort" and not self._aborting
                 and waited >= self.timeout_s):
             self._aborting = True
-            self._queue.append(Survey(lambda peers: _abort(
+            self._queue.append(Survey(lambda peers: abort(
                 describe(self.rank, collective, seq, waited, peers))))
 
     def _progress(self, now: float) -> None:
@@ -251,7 +250,13 @@ class Inspector:
                 survey.on_done(survey.result)
 
 
-def _abort(message: str) -> None:
+def warn(report: str) -> None:
+    """Log the stall report of :func:`describe` as a warning."""
+    log.warning("mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
+                "mpitrain.StallError.", report)
+
+
+def abort(message: str) -> None:
     """MPITRAIN_STALL_ACTION=abort: print the stall report and end the whole job."""
     sys.stderr.write(f"mpitrain {message}; aborting the job (MPITRAIN_STALL_ACTION=abort)\n")
     sys.stderr.flush()

@@ -290,6 +290,18 @@ class StagingTransport:
         """Wait for one request."""
         request.Wait()
 
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self.wait(self.isend(buf, dest, tag))
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+        self.wait(self.irecv(buf, source, tag))
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
+
     def waitall(self, requests: Sequence[StagedRequest | None]) -> None:
         """Wait for every request that is not ``None``."""
         for request in requests:
@@ -380,6 +392,18 @@ class DeviceDirectTransport:
     def forward(self, request: Any, buf: Any, dest: int, tag: int) -> MPI.Request:
         """Send on what a completed receive wrote into ``buf``."""
         return self.comm.Isend(buf, dest, tag)
+
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self.wait(self.isend(buf, dest, tag))
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+        self.wait(self.irecv(buf, source, tag))
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
 
     def waitall(self, requests: Sequence[MPI.Request | None]) -> None:
         """Wait for every request that is not ``None``."""
