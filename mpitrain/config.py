@@ -67,6 +67,9 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
                         "Pipeline segment size of the ring in bytes; 0 chooses by size.")
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
+INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
+                              "Largest message of the inter-node phases of hierarchical "
+                              "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
 
 
 def _parse_seconds(text: str) -> float:
@@ -106,7 +109,7 @@ MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
 
 ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
     ALGORITHM, SEGMENT_BYTES, TUNING_FILE, STALL_WARNING_S, STALL_TIMEOUT_S, STALL_ACTION,
-    ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC)
+    ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC, INTER_SEGMENT_BYTES)
 
 
 def describe() -> str:

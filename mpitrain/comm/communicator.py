@@ -351,7 +351,8 @@ class Communicator:
         """The cached plan of ``name`` for this call's shape, built on first use."""
         configured = config.SEGMENT_BYTES.get()
         segment = configured or default_segment_bytes(chunks[-1][1] * dt.itemsize, self.size)
-        key = (collective, name, be.name, dt, op, tuple(chunks), root, segment)
+        key = (collective, name, be.name, dt, op, tuple(chunks), root, segment,
+               config.INTER_SEGMENT_BYTES.get())
         plan = self._plans.get(key)
         if plan is None:
             request = algorithms.PlanRequest(self.transport, self.topology, be, dt, op,
