@@ -196,8 +196,10 @@ class _ColumnPlan:
         self.is_rep = topo.local_rank < topo.min_local_size
         nodes = topo.node_count
         self.intra = _phase(collective, req, topo.local, lay.columns)
-        self.inter = _phase(collective, req, topo.cross, lay.node_blocks,
-                            segment_bytes=inter_segment_bytes(req.segment_bytes)) \
+        # Across nodes our ring: it keeps to the inter-node segment size (MPI's own
+        # collectives send large messages whole, by rendezvous).
+        self.inter = _phase(collective, req, topo.cross, lay.node_blocks, "ring",
+                            inter_segment_bytes(req.segment_bytes)) \
             if self.is_rep and nodes > 1 else None
         # The block goes straight to/from the caller's buffer when it is one chunk.
         self.own_block = lay.block_count == lay.own_count
