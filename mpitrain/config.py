@@ -119,6 +119,9 @@ CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
                         "longest sleep while polling for other ranks (milliseconds).")
 TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
                    "Chrome-trace file that rank 0 writes the async engine's timeline to.")
+INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
+                              "Largest message of the inter-node phases of hierarchical "
+                              "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
 
 
 def _parse_seconds(text: str) -> float:

@@ -23,6 +23,12 @@ and the local ranks above (only on larger nodes) take part inside their node onl
   its block their chunk. Allgather runs the same steps backwards. Where the packed
   layout is the rank order (one node, or one rank per node) no copy is made.
 
+Inter-node messages are at most ``MPITRAIN_INTER_SEGMENT_BYTES`` (60 KiB), below
+the eager limit of Open MPI's TCP transport (64 KiB). Larger messages go by
+rendezvous: the sender waits for the receiver's go-ahead, which travels back on the
+same TCP connection as the receiver's own bulk data in the other direction and
+queues behind it; exchanges then run one direction at a time, up to twice as slow.
+
 With one node the inter-node phase is empty and each collective is its flat
 intra-node form; with one rank per node the intra-node phases are empty.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .. import config
 from ..comm.topology import Topology
 from ..comm.transport import Request, Transport
 from .base import PlanRequest
@@ -52,10 +59,21 @@ _FLAT = {
 }
 
 
+def inter_segment_bytes(segment_bytes: int) -> int:
+    """Segment size of the inter-node phases: ``MPITRAIN_INTER_SEGMENT_BYTES``, or the
+    general ``segment_bytes`` where that is smaller (or the setting is 0)."""
+    limit = config.INTER_SEGMENT_BYTES.get()
+    if limit == 0 or 0 < segment_bytes < limit:
+        return segment_bytes
+    return limit
+
+
 def _phase(collective: str, req: PlanRequest, transport: Transport, chunks: list[Bounds],
-           algorithm: str | None = None) -> Any:
+           algorithm: str | None = None, segment_bytes: int | None = None) -> Any:
     """A flat plan of ``collective`` over ``transport``: ``algorithm`` or the table's."""
-    sub = dataclasses.replace(req, transport=transport, chunks=tuple(chunks))
+    sub = dataclasses.replace(req, transport=transport, chunks=tuple(chunks),
+                              segment_bytes=req.segment_bytes if segment_bytes is None
+                              else segment_bytes)
     if algorithm is None:
         algorithm = select(collective, sub.count * req.dtype.itemsize, transport.size,
                            req.backend.name, tuple(_FLAT[collective]))
@@ -70,8 +88,9 @@ def _begin(topo: Topology, collective: str) -> None:
 
 def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
     """The allreduce of one shard of ``count`` elements across nodes."""
-    sub = dataclasses.replace(req, transport=cross, chunks=tuple(split_bounds(count,
-                                                                              cross.size)))
+    sub = dataclasses.replace(req, transport=cross,
+                              chunks=tuple(split_bounds(count, cross.size)),
+                              segment_bytes=inter_segment_bytes(req.segment_bytes))
     if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
         return RecursiveDoublingAllreduce(sub)
     return RingAllreduce(sub)
@@ -177,7 +196,10 @@ class _ColumnPlan:
         self.is_rep = topo.local_rank < topo.min_local_size
         nodes = topo.node_count
         self.intra = _phase(collective, req, topo.local, lay.columns)
-        self.inter = _phase(collective, req, topo.cross, lay.node_blocks) \
+        # Across nodes our ring: it keeps to the inter-node segment size (MPI's own
+        # collectives send large messages whole, by rendezvous).
+        self.inter = _phase(collective, req, topo.cross, lay.node_blocks, "ring",
+                            inter_segment_bytes(req.segment_bytes)) \
             if self.is_rep and nodes > 1 else None
         # The block goes straight to/from the caller's buffer when it is one chunk.
         self.own_block = lay.block_count == lay.own_count

@@ -50,7 +50,11 @@ class Rule:
 KiB, MiB = 1 << 10, 1 << 20
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule("allreduce", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
+    # Across nodes (measured on the emulated cluster, see BENCHMARKS.md "Multi-node").
+    Rule("allreduce", "hierarchical", min_bytes=64 * KiB, min_nodes=2),
+    Rule("reduce_scatter", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
+    Rule("allgather", "hierarchical", min_bytes=1 * MiB, min_nodes=2),
+    # Otherwise, and on one node.
     Rule("allreduce", "shm"),
     Rule("allreduce", "mpi", max_bytes=256 * KiB),
     Rule("allreduce", "ring"),

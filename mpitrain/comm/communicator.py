@@ -498,7 +498,8 @@ class Communicator(AsyncCollectives):
         configured = config.SEGMENT_BYTES.get()
         policy = policy_for(be)
         key = (collective, name, be.name, be.device_id(), policy.name, dt, op, shape, root,
-               configured)
+               configured,
+               config.INTER_SEGMENT_BYTES.get())
         plan = self._plans.get(key)
         if plan is None:
             if collective == "allgather":
