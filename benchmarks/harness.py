@@ -49,7 +49,7 @@ from mpitrain.errors import DtypeError
 from mpitrain.ops import parse_op
 
 from .collectives import COLLECTIVES
-from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective
+from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective, mpi_datatype
 
 IMPLS = ("mpitrain", "mpi")
 DTYPES: dict[str, np.dtype[Any]] = {str(dt): dt for dt in SUPPORTED_DTYPES}
@@ -173,8 +173,10 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                    help="timed runs per size and implementation (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5,
                    help="untimed runs before timing (default 5)")
-    p.add_argument("-d", "--datatype", default="float32",
-                   choices=sorted(DTYPES) + sorted(DTYPE_ALIASES), help="default float32")
+    p.add_argument("-d", "--datatype", default="float32", metavar="TYPE",
+                   choices=sorted(DTYPES) + sorted(DTYPE_ALIASES),
+                   help=f"one of {', '.join(sorted(DTYPES))} or the nccl-tests names "
+                        f"{', '.join(sorted(DTYPE_ALIASES))} (default float32)")
     p.add_argument("-o", "--op", default="sum", choices=REDUCING_OPS,
                    help="reduction of allreduce and reduce_scatter (default sum)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast (default 0)")
@@ -362,8 +364,8 @@ class Table:
         spans_variant, spans_impl = [], []
         fixed_width = sum(c.width + 1 for c in _FIXED)
         impl_width = sum(c.width + 1 for c in _PER_IMPL)
+        ratio_width = sum(c.width + 1 for c in self.ratio_columns)
         for inplace in self.variants:
-            ratio_width = sum(c.width + 1 for c in self.ratio_columns)
             spans_variant.append(("in-place" if inplace else "out-of-place")
                                  .center(impl_width * len(self.labels) + ratio_width))
             spans_impl.append("".join(label.center(impl_width) for label in self.labels)
@@ -418,7 +420,7 @@ def command_line(argv: Sequence[str], nranks: int) -> str:
     """The command that reproduces this run, with the MPITRAIN_* variables it saw."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if k.startswith("MPITRAIN_")]
-    return " ".join(env + [f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
+    return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
 
 
 def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
@@ -448,13 +450,16 @@ def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[s
     timing = (f"{opts.warmup} warm-up + {opts.iters} timed runs per size, implementations "
               "interleaved, barrier before each run; time = max over ranks of each rank's "
               "median")
+    native = "mpi4py's calls on a Dup of COMM_WORLD"
+    if opts.collective.reduces and not mpi_datatype(opts.dtype).is_predefined:
+        native += f", reducing {opts.dtype} with a user-defined MPI op (numpy)"
     return [
         f"# mpitrain benchmark: {opts.collective.name}",
         f"# command   : {command}",
         f"# MPI       : {machine['mpi_library']}",
         f"# ranks     : {machine['ranks']} on {', '.join(machine['hosts'])}",
         f"# versions  : {versions}",
-        f"# algorithm : mpitrain {algorithms}; mpi = mpi4py's calls on a Dup of COMM_WORLD",
+        f"# algorithm : mpitrain {algorithms}; mpi = {native}",
         f"# date      : {machine['date']}",
         f"# timing    : {timing}",
         "#",
@@ -486,7 +491,8 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
 
 def write_plot(path: str, opts: Options, machine: dict[str, Any],
                results: Sequence[Result]) -> None:
-    """Plot bus bandwidth against size (log x), one line per implementation and variant."""
+    """Plot bus bandwidth against size (log x): a colour per implementation, a solid line
+    out-of-place and a dashed one in place."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -495,11 +501,11 @@ def write_plot(path: str, opts: Options, machine: dict[str, Any],
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for inplace in opts.variants:
-        for impl in opts.impls:
+        for index, impl in enumerate(opts.impls):
             points = [(r.size, r.busbw) for r in results if r.key == (impl.label, inplace)]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", linestyle="--" if inplace else "-",
+                ax.plot(xs, ys, color=f"C{index}", marker="o", linestyle="--" if inplace else "-",
                         label=f"{impl.label} ({'in-place' if inplace else 'out-of-place'})")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(int(x))))
@@ -524,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     opts = parse_args(args, nranks, quiet=rank != 0)
-    comm = mt.init()
+    comm = mt.Communicator(MPI.COMM_WORLD)
     world = MPI.COMM_WORLD.Dup()
     command = command_line(args, nranks)
     machine = machine_info(world)
@@ -552,5 +558,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.plot:
             write_plot(opts.plot, opts, machine, results)
     world.Free()
-    mt.shutdown()
+    comm.free()
     return 1 if any(r.wrong for r in results) else 0

@@ -6,14 +6,15 @@ input with ``make_input``, times the :class:`Call` objects that ``mpitrain`` and
 ``mpi`` prepare, and compares each call's result with ``expected``.
 
 *Crafted values* make every result exactly known. Element ``i`` of rank ``r`` gets a
-pseudo-random *level* in ``0..8`` from a hash of ``(r, i)``, so a misplaced block or a
-block from the wrong rank is wrong in about 8 of 9 elements. Sums, minima and maxima
-use ``level - 4`` (``level`` for unsigned types); products use ``2`` for level 0,
-``-1`` for level 1 (signed and floating types) and ``1`` otherwise. Every partial sum
-and product is then a small integer, exact in float16 and bfloat16 for up to 64
-ranks, so any order of reduction gives the same bits. ``avg`` is the sum followed by
-mpitrain's (Horovod's) postscale: integer types are floor-divided by the rank count,
-floating types multiplied in place by ``1 / nranks``.
+pseudo-random *level* in ``0..8`` from a hash (splitmix64) of ``(r, i)``, so a
+misplaced block or a block from the wrong rank is wrong in about 8 of 9 elements.
+Sums, minima and maxima use ``level - 4`` (``level`` for unsigned types); products use
+``2`` for level 0, ``-1`` for level 1 (signed and floating types) and ``1`` otherwise.
+Every partial sum of a floating type is then an integer of magnitude at most
+``4 * nranks``, exact in bfloat16 up to 64 ranks, and every partial product a signed
+power of two, so any order of reduction gives the same bits. ``avg`` is the sum
+followed by mpitrain's (Horovod's) postscale: integer types are floor-divided by the
+rank count, floating types multiplied in place by ``1 / nranks``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -36,10 +37,9 @@ NO_OP = "none"
 NO_ROOT = -1
 
 _LEVELS = 9
-_HASH_INDEX = np.uint64(0x9E3779B97F4A7C15)
-_HASH_RANK = 0xC2B2AE3D27D4EB4F
 _MASK64 = (1 << 64) - 1
-_HASH_SHIFT = np.uint64(40)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _POISON_BYTE = 0xA5
 _UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
            "max": np.maximum}
@@ -77,8 +77,8 @@ class Call:
     reset: Callable[[], None]
 
 
-PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool], Call | None]
-PrepareMpi = Callable[[MPI.Intracomm, Case, Array, bool], Call | None]
+PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool], Optional[Call]]
+PrepareMpi = Callable[[MPI.Intracomm, Case, Array, bool], Optional[Call]]
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,13 @@ class Collective:
 # -- crafted values -------------------------------------------------------------------
 def crafted(rank: int, start: int, count: int, dtype: np.dtype[Any], op: str) -> Array:
     """The crafted input of ``rank`` at global element indices ``start .. start+count``."""
-    index = np.arange(start, start + count, dtype=np.uint64)
-    mixed = index * _HASH_INDEX + np.uint64((rank + 1) * _HASH_RANK & _MASK64)  # mod 2**64
-    level = ((mixed >> _HASH_SHIFT) % np.uint64(_LEVELS)).astype(np.int64)
+    # splitmix64 of (rank, index): neighbouring elements and ranks get unrelated levels
+    z = np.arange(start, start + count, dtype=np.uint64) + np.uint64(
+        (rank + 1) * _GOLDEN & _MASK64)
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    z ^= z >> np.uint64(31)
+    level = (z % np.uint64(_LEVELS)).astype(np.int64)
     signed = dtype.kind != "u"
     if op == "prod":
         values = np.where(level == 0, 2, np.where((level == 1) & signed, -1, 1))
