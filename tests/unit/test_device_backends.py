@@ -95,7 +95,16 @@ class DLPackDevice:
         return (self.kind, 0)
 
 
+class GradTensor(DLPackDevice):
+    """Like a torch CUDA tensor that requires grad: its interface raises RuntimeError."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+
 def test_device_arrays_are_recognised_by_protocol() -> None:
+    assert is_device_array(GradTensor(2)) and not is_device_array(GradTensor(1))
     assert is_device_array(CudaArrayInterface())
     assert is_device_array(DLPackDevice(2)) and is_device_array(DLPackDevice(13))
     assert not is_device_array(DLPackDevice(1))  # kDLCPU
