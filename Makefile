@@ -12,7 +12,7 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi integration soak test-cluster demo bench lint clean
+.PHONY: test unit test-mpi integration soak test-cluster demo bench gpu-check lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(RUN) -np $(NP) $(PY) -m benchmarks allreduce -b 8 -e 256M -f 4 -n 20 -w 5 --impl mpitrain,mpi
+
+# On a GPU machine: GPU tests and device-buffer benchmarks (see README, "GPU buffers").
+gpu-check:
+	sh benchmarks/gpu_check.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpitrain benchmarks tests examples

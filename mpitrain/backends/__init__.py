@@ -32,8 +32,11 @@ def is_device_array(obj: object) -> bool:
     """True for CUDA device arrays, recognised without importing any GPU library."""
     if type(obj).__module__.split(".")[0] == "cupy":
         return True
-    if hasattr(obj, "__cuda_array_interface__"):
-        return True
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises RuntimeError for tensors that require grad
+        pass
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is None or isinstance(obj, np.ndarray):
         return False

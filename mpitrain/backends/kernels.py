@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,41 @@ def include_options() -> tuple[str, ...]:
     return ("-std=c++17", f"-I{KERNEL_DIR}")
 
 
+def cuda_include_dir() -> Path | None:
+    """A directory with CUDA's ``cuda_fp16.h`` and ``cuda_bf16.h`` for NVRTC, if any.
+
+    Looked for under CuPy's CUDA path, ``$CUDA_PATH``, ``$CUDA_HOME``, beside ``nvcc``
+    and in ``/usr/local/cuda``.
+    """
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")]
+    try:
+        import cupy
+
+        roots.insert(0, cupy.cuda.get_cuda_path())
+    except ImportError:
+        pass
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    roots.append("/usr/local/cuda")
+    for root in roots:
+        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    """The options the loader gives NVRTC: :func:`include_options` and the CUDA headers
+    (NVRTC does not look for them itself)."""
+    found = cuda_include_dir()
+    return include_options() + ((f"-I{found}",) if found else ())
+
+
+def loaded_code(source: Source) -> str:
+    """The exact code the loader compiles for ``source``."""
+    return f"// headers {_headers_digest()}\n{source.text()}"
+
+
 def nvcc_translation_unit(source: Source) -> str:
     """A file for ``nvcc`` that instantiates every kernel of ``source``.
 
@@ -135,8 +172,8 @@ def module(name: str, device_id: int) -> Any:
 
     source = SOURCES[name]
     with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=f"// headers {_headers_digest()}\n{source.text()}",
-                             options=include_options(), name_expressions=list(source.names))
+        mod = cupy.RawModule(code=loaded_code(source), options=nvrtc_options(),
+                             name_expressions=list(source.names))
         mod.compile()
     return mod
 

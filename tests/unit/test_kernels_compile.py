@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,39 @@ def test_integer_divisor_matches_numpy_scaling() -> None:
     assert kernels.integer_divisor(1 / 3) == 3 and kernels.integer_divisor(0.25) == 4
     assert kernels.integer_divisor(0.3) == 0 and kernels.integer_divisor(0.0) == 0
     assert kernels.integer_divisor(1.0) == 1 and kernels.integer_divisor(2.0) == 0
+
+
+def _nvrtc() -> object | None:
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:  # CuPy or libnvrtc missing
+        return None
+    return nvrtc
+
+
+NVRTC = _nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="CuPy with NVRTC not installed: loader path not "
+                                          "compiled (pip install 'mpitrain[cuda13]')")
+def test_loader_code_compiles_with_nvrtc_and_lowers_every_name() -> None:
+    """What the loader hands cupy.RawModule, compiled by NVRTC for sm_90 (no GPU needed)."""
+    nvrtc: Any = NVRTC
+    options = (*kernels.nvrtc_options(), f"-arch={ARCH}", "--device-as-default-execution-space")
+    for name, source in kernels.SOURCES.items():
+        program = nvrtc.createProgram(kernels.loaded_code(source), f"{name}.cu", (), ())
+        try:
+            for expression in source.names:
+                nvrtc.addNameExpression(program, expression)
+            try:
+                nvrtc.compileProgram(program, options)
+            except nvrtc.NVRTCError:
+                pytest.fail(f"NVRTC failed on {source.file}:\n"
+                            + nvrtc.getProgramLog(program))
+            lowered = {e: nvrtc.getLoweredName(program, e) for e in source.names}
+            assert len(set(lowered.values())) == len(source.names)
+            assert len(nvrtc.getCUBIN(program)) > 0
+        finally:
+            nvrtc.destroyProgram(program)
