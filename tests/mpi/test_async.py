@@ -266,3 +266,13 @@ def test_free_stops_the_engine(comm: mt.Communicator) -> None:
             orphan.wait()
     with pytest.raises(mt.CommunicationError, match="shut down"):
         engine.allreduce(np.ones(1), mt.Sum, None, 1.0, 1.0, None, False)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_idle_engine_sleeps(comm: mt.Communicator) -> None:
+    """With nothing in flight the progress thread waits on a condition, not in a loop."""
+    comm.allreduce_async(np.ones(4)).wait()  # the engine exists and has just worked
+    cpu = time.process_time()
+    time.sleep(0.3)
+    used = time.process_time() - cpu
+    assert_all_ranks(comm, used < 0.1, f"an idle engine used {used:.3f} s of CPU in 0.3 s")
