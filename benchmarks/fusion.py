@@ -3,13 +3,16 @@
 ``python -m benchmarks fusion [-b 10K -e 10K -f 2] [-t 100] [-n 20 -w 5 -d float32 -o sum]``
 
 For each tensor size ``s`` from ``-b`` to ``-e`` and ``t`` tensors (``--tensors``),
-three in-place calls on the same crafted values are timed in one interleaved run
+three calls on the same crafted values are timed, out of place and (unless
+``--no-inplace``) in place, all six interleaved in one run
 (:func:`benchmarks.harness.time_calls`: barrier before each run, order rotating):
 
-* ``fused``: ``t`` ``allreduce_async_`` calls of ``s`` bytes each, submitted back to
-  back and then waited together, so the engine packs them into fusion buffers;
-* ``one buffer``: one blocking ``allreduce_`` of all ``t * s`` bytes in one array;
-* ``blocking``: ``t`` blocking ``allreduce_`` calls of ``s`` bytes, one after another.
+* ``fused``: ``t`` ``allreduce_async`` (``allreduce_async_``) calls of ``s`` bytes
+  each, submitted back to back and then waited together, so that the engine packs
+  them into fusion buffers;
+* ``one buffer``: one blocking ``allreduce`` (``allreduce_``) of all ``t * s`` bytes
+  in one array (out of place into a preallocated ``out=``);
+* ``blocking``: ``t`` blocking calls of ``s`` bytes, one after another.
 
 The table prints the three times (max over ranks of each rank's median) side by side
 with ``fused/one`` (the cost of fusion over a buffer the caller packed himself),
@@ -19,10 +22,12 @@ collectives the engine ran per fused call. Every call is verified exactly afterw
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,7 +48,7 @@ from .harness import (
     size_series,
     time_calls,
 )
-from .hooks import REDUCING_OPS, Array, Call, crafted, reduced, restore
+from .hooks import REDUCING_OPS, Array, Call, crafted, no_reset, poison, reduced, restore
 
 CALLS = ("fused", "one buffer", "blocking")
 
@@ -59,6 +64,7 @@ class FusionOptions:
     dtype: np.dtype[Any]
     op: str
     json: str | None
+    modes: list[bool]
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class FusionResult:
     tensors: int
     dtype: str
     op: str
+    mode: str
     fused_us: float
     one_buffer_us: float
     blocking_us: float
@@ -106,6 +113,8 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
     p.add_argument("-d", "--datatype", default="float32", metavar="TYPE",
                    choices=sorted(DTYPES) + sorted(DTYPE_ALIASES))
     p.add_argument("-o", "--op", default="sum", choices=REDUCING_OPS)
+    p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the in-place variant (default: yes)")
     p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
     a = p.parse_args(argv)
     try:
@@ -116,76 +125,108 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
         p.error(f"need -t >= 1, -n >= 1 and -w >= 0, got -t {a.tensors} -n {a.iters} "
                 f"-w {a.warmup_iters}")
     dtype = DTYPES[DTYPE_ALIASES.get(a.datatype, a.datatype)]
-    return FusionOptions(sizes, a.tensors, a.iters, a.warmup_iters, dtype, a.op, a.json)
+    return FusionOptions(sizes, a.tensors, a.iters, a.warmup_iters, dtype, a.op, a.json,
+                         [False, True] if a.inplace else [False])
 
 
-def prepare(comm: mt.Communicator, data: Array, tensors: int, op: str) -> dict[str, Call]:
-    """The three in-place calls over ``data`` cut into ``tensors`` equal tensors."""
+def prepare(comm: mt.Communicator, data: Array, tensors: int, op: str,
+            inplace: bool) -> dict[str, Call]:
+    """The three calls over ``data`` cut into ``tensors`` equal tensors.
+
+    Out of place, the single buffer and the blocking calls write into preallocated
+    ``out=`` arrays (poisoned before each run), as the harness's allreduce does.
+    """
     count = data.size // tensors
-    whole = data.copy()
     pieces = [data[i * count:(i + 1) * count].copy() for i in range(tensors)]
-    singles = [p.copy() for p in pieces]
+    if inplace:
+        whole, singles = data.copy(), [p.copy() for p in pieces]
 
-    def reset(arrays: list[Array]) -> Any:
-        def run() -> None:
-            for i, a in enumerate(arrays):
-                np.copyto(a, data[i * count:(i + 1) * count])
-        return run
+        def reset(arrays: list[Array]) -> Callable[[], None]:
+            def run() -> None:
+                for i, a in enumerate(arrays):
+                    np.copyto(a, data[i * count:(i + 1) * count])
+            return run
 
-    def fused() -> list[Array]:
-        handles = [comm.allreduce_async_(p, op=op) for p in pieces]
-        for h in handles:
-            h.wait()
-        return pieces
+        def fused() -> list[Array]:
+            handles = [comm.allreduce_async_(p, op=op) for p in pieces]
+            for h in handles:
+                h.wait()
+            return pieces
 
-    def blocking() -> list[Array]:
-        for p in singles:
-            comm.allreduce_(p, op=op)
-        return singles
+        def blocking() -> list[Array]:
+            for p in singles:
+                comm.allreduce_(p, op=op)
+            return singles
 
-    return {"fused": Call(fused, reset(pieces)),
-            "one buffer": Call(lambda: comm.allreduce_(whole, op=op), restore(whole, data)),
-            "blocking": Call(blocking, reset(singles))}
+        return {"fused": Call(fused, reset(pieces)),
+                "one buffer": Call(lambda: comm.allreduce_(whole, op=op), restore(whole, data)),
+                "blocking": Call(blocking, reset(singles))}
+    whole_out = np.empty_like(data)
+    outs = [np.empty_like(p) for p in pieces]
+
+    def fused_out() -> list[Array]:
+        handles = [comm.allreduce_async(p, op=op) for p in pieces]
+        return [h.wait() for h in handles]
+
+    def blocking_out() -> list[Array]:
+        for p, out in zip(pieces, outs):
+            comm.allreduce(p, op=op, out=out)
+        return outs
+
+    def poison_outs() -> None:
+        for out in outs:
+            poison(out)
+
+    return {"fused": Call(fused_out, no_reset),
+            "one buffer": Call(lambda: comm.allreduce(data, op=op, out=whole_out),
+                               functools.partial(poison, whole_out)),
+            "blocking": Call(blocking_out, poison_outs)}
 
 
 def measure(opts: FusionOptions, nbytes: int, comm: mt.Communicator,
-            world: MPI.Intracomm) -> FusionResult:
-    """Time and verify the three calls at one tensor size (collective over ``world``)."""
+            world: MPI.Intracomm) -> list[FusionResult]:
+    """Time and verify the three calls of each mode at one tensor size, all interleaved
+    in one run (collective over ``world``): one result per mode."""
     rank, nranks = world.Get_rank(), world.Get_size()
     count = nbytes // opts.dtype.itemsize
     total = count * opts.tensors
-    calls = prepare(comm, crafted(rank, 0, total, opts.dtype, opts.op), opts.tensors, opts.op)
+    data = crafted(rank, 0, total, opts.dtype, opts.op)
+    calls = {(name, inplace): call for inplace in opts.modes
+             for name, call in prepare(comm, data, opts.tensors, opts.op, inplace).items()}
     before = comm.async_stats().collectives
-    times = time_calls({(name, True): call for name, call in calls.items()}, opts.iters,
-                       opts.warmup, world.Barrier)
+    times = time_calls(calls, opts.iters, opts.warmup, world.Barrier)
     expected = reduced(nranks, 0, total, opts.dtype, opts.op)
     wrong = np.array([count_wrong(call, expected) for call in calls.values()], np.int64)
-    fused_runs = opts.warmup + opts.iters + 1
-    stats = np.array([statistics.median(times[(name, True)]) for name in CALLS]
+    fused_runs = (opts.warmup + opts.iters + 1) * len(opts.modes)
+    stats = np.array([statistics.median(t) for t in times.values()]
                      + [(comm.async_stats().collectives - before) / fused_runs])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, wrong, MPI.SUM)
-    return FusionResult(count * opts.dtype.itemsize, count, opts.tensors, str(opts.dtype),
-                        opts.op, stats[0] * 1e6, stats[1] * 1e6, stats[2] * 1e6,
-                        float(stats[3]), int(wrong.sum()))
+    median = dict(zip(calls, stats[:-1]))
+    bad = dict(zip(calls, wrong))
+    return [FusionResult(count * opts.dtype.itemsize, count, opts.tensors, str(opts.dtype),
+                         opts.op, "in-place" if inplace else "out-of-place",
+                         *(median[(name, inplace)] * 1e6 for name in CALLS),
+                         float(stats[-1]), int(sum(bad[(name, inplace)] for name in CALLS)))
+            for inplace in opts.modes]
 
 
-HEADER = ("#{:>10} {:>8} {:>7} {:>9} {:>6} | {:>11} {:>11} {:>11} | {:>9} {:>14} | "
+HEADER = ("#{:>10} {:>8} {:>7} {:>9} {:>6} {:>12} | {:>11} {:>11} {:>11} | {:>9} {:>14} | "
           "{:>11} {:>6}")
 
 
 def table_header(tensors: int) -> list[str]:
     """The column titles and units."""
-    return [HEADER.format("size", "count", "tensors", "type", "redop", "fused",
+    return [HEADER.format("size", "count", "tensors", "type", "redop", "mode", "fused",
                           "one buffer", f"{tensors} blocking", "fused/one", "blocking/fused",
                           "collectives", "#wrong"),
-            HEADER.format("(B/tensor)", "", "", "", "", "(us)", "(us)", "(us)", "", "",
+            HEADER.format("(B/tensor)", "", "", "", "", "", "(us)", "(us)", "(us)", "", "",
                           "/fused call", "")]
 
 
 def table_row(r: FusionResult) -> str:
     """The line of one tensor size."""
-    return HEADER.format(r.size, r.count, r.tensors, r.dtype, r.op, f"{r.fused_us:.1f}",
+    return HEADER.format(r.size, r.count, r.tensors, r.dtype, r.op, r.mode, f"{r.fused_us:.1f}",
                          f"{r.one_buffer_us:.1f}", f"{r.blocking_us:.1f}",
                          f"{r.fused_over_one:.2f}", f"{r.blocking_over_fused:.2f}",
                          f"{r.collectives_per_fused_call:.2f}", r.wrong).replace("#", " ", 1)
@@ -207,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print("\n".join(lines), flush=True)
 
-    emit([f"# mpitrain benchmark: fusion ({opts.tensors} tensors per call, in place)",
+    emit([f"# mpitrain benchmark: fusion ({opts.tensors} tensors per call)",
           f"# command   : {command}",
           f"# MPI       : {machine['mpi_library']}",
           f"# ranks     : {nranks} on {', '.join(machine['hosts'])}, {machine['cpus']} cpus",
@@ -219,8 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for nbytes in opts.sizes:
         if nbytes // opts.dtype.itemsize == 0:
             continue
-        results.append(measure(opts, nbytes, comm, world))
-        emit([table_row(results[-1])])
+        rows = measure(opts, nbytes, comm, world)
+        results += rows
+        emit([table_row(r) for r in rows])
     wrong = sum(r.wrong for r in results)
     emit([f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"])
     if rank == 0 and opts.json:

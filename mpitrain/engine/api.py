@@ -40,14 +40,14 @@ class AsyncCollectives:
         scaling and algorithm are fused (``MPITRAIN_FUSION_THRESHOLD``).
         """
         return self._async_engine().allreduce(x, op, name, prescale_factor, postscale_factor,
-                                              algorithm, inplace=False)
+                                              algorithm, False)
 
     def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
                          name: str | None = None, prescale_factor: float = 1.0,
                          postscale_factor: float = 1.0, algorithm: str | None = None) -> Handle:
         """Start an in-place allreduce of ``x``; ``wait()`` returns ``x``, reduced."""
         return self._async_engine().allreduce(x, op, name, prescale_factor, postscale_factor,
-                                              algorithm, inplace=True)
+                                              algorithm, True)
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                                 name: str | None = None, prescale_factor: float = 1.0,
@@ -56,7 +56,7 @@ class AsyncCollectives:
         """Start one fused allreduce of every array of ``xs`` (one collective per dtype,
         whatever the fusion threshold); ``wait()`` returns the list of new arrays."""
         return self._async_engine().grouped_allreduce(xs, op, name, prescale_factor,
-                                                      postscale_factor, algorithm, inplace=False)
+                                                      postscale_factor, algorithm, False)
 
     def grouped_allreduce_async_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                                  name: str | None = None, prescale_factor: float = 1.0,
@@ -64,7 +64,7 @@ class AsyncCollectives:
                                  algorithm: str | None = None) -> Handle:
         """In-place :meth:`grouped_allreduce_async`; ``wait()`` returns ``xs`` as a list."""
         return self._async_engine().grouped_allreduce(xs, op, name, prescale_factor,
-                                                      postscale_factor, algorithm, inplace=True)
+                                                      postscale_factor, algorithm, True)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                           name: str | None = None, prescale_factor: float = 1.0,
@@ -89,12 +89,12 @@ class AsyncCollectives:
     def broadcast_async(self, x: Any, root: int = 0, name: str | None = None,
                         algorithm: str | None = None) -> Handle:
         """Start :meth:`~mpitrain.Communicator.broadcast`; ``wait()`` returns a new array."""
-        return self._async_engine().broadcast(x, root, name, algorithm, inplace=False)
+        return self._async_engine().broadcast(x, root, name, algorithm, False)
 
     def broadcast_async_(self, x: Any, root: int = 0, name: str | None = None,
                          algorithm: str | None = None) -> Handle:
         """Start an in-place broadcast from ``root``; ``wait()`` returns ``x``."""
-        return self._async_engine().broadcast(x, root, name, algorithm, inplace=True)
+        return self._async_engine().broadcast(x, root, name, algorithm, True)
 
     def reduce_scatter_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
                              name: str | None = None, prescale_factor: float = 1.0,
@@ -120,9 +120,10 @@ class AsyncCollectives:
         return self._async_engine().snapshot()
 
     def _async_engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = Engine(self)  # type: ignore[arg-type]
-        return self._engine
+        engine = self._engine
+        if engine is None:
+            engine = self._engine = Engine(self)  # type: ignore[arg-type]
+        return engine
 
     def _stop_async_engine(self) -> None:
         """Stop the engine if it was started (collective over the ranks that started it)."""

@@ -44,7 +44,7 @@ from ..backends import backend_for
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
-from .fusion import Bucket, BucketRunner, plan_buckets
+from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import Negotiator, Signatures
 from .request import Entry, Handle, Request
 
@@ -93,7 +93,9 @@ class Engine:
                 f"rank {owner.rank}: async operations need MPI_THREAD_MULTIPLE, but MPI was "
                 "initialised with a lower thread level; leave mpi4py.rc.thread_level at its "
                 "default ('multiple')")
-        self.comm = type(owner)(owner.mpi_comm)
+        from ..comm.communicator import Communicator  # the comm layer imports this module
+
+        self.comm = Communicator(owner.mpi_comm)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.stats = EngineStats()
         self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds())
@@ -105,10 +107,11 @@ class Engine:
         self._in_flight: set[str] = set()
         self._counters: dict[str, int] = {}
         self._checked: set[tuple[Any, str | None]] = set()
-        self._signatures: dict[tuple[Any, ...], str] = {}
+        self._signatures: dict[tuple[Any, ...], tuple[str, str]] = {}
         self._stopping = False
         self._closed: str | None = None  # why new submissions are refused
         self._pending: dict[str, Request] = {}  # progress thread only
+        self._running: list[Request] = []  # this cycle's submissions (progress thread only)
         self._finished = False
         self._freed = False
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -125,8 +128,8 @@ class Engine:
                             rop)
         algo = self._check_algorithm("allreduce", algorithm, entry)
         key = ("allreduce", rop.value, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
-        return self._submit("allreduce", name, key, [entry], op=rop, prescale=prescale,
-                            postscale=postscale, algorithm=algo, inplace=inplace)
+        return self._submit("allreduce", name, key, [entry], rop, prescale, postscale, algo, 0,
+                            inplace)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str, name: str | None,
                           prescale: float, postscale: float, algorithm: str | None,
@@ -184,7 +187,8 @@ class Engine:
             if arr is not x and not isinstance(x, type(arr)):
                 raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
                                     f"got {type(x).__name__}; use the out-of-place variant")
-            self.comm._check_writeable(be, arr, what)
+            if not be.is_writeable(arr):
+                self.comm._check_writeable(be, arr, what)  # raises with the usual message
         checked = (arr.dtype, op and op.value)
         if checked not in self._checked:  # a dtype/op pair is checked once
             if op is None:
@@ -205,21 +209,26 @@ class Engine:
             self.comm._algorithm(collective, name, 0, entries[0].backend)
         return name
 
-    def _signature(self, key: tuple[Any, ...]) -> str:
-        """The text of a signature key, built once per distinct key."""
-        text = self._signatures.get(key)
-        if text is None:
+    def _signature(self, key: tuple[Any, ...], backend: str) -> tuple[str, str]:
+        """The signature text of a key and the fusion key of its arrays, built once per
+        distinct key (the fusion key is a string, so looking it up costs no hashing)."""
+        known = self._signatures.get((key, backend))
+        if known is None:
             if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
                 self._signatures.clear()
-            text = self._signatures[key] = describe(key)
-        return text
+            _, op, dtype, _, prescale, postscale, algorithm, _ = key
+            fusion = fusion_key(backend, dtype, op, prescale, postscale, algorithm)
+            known = self._signatures[(key, backend)] = (describe(key), fusion)
+        return known
 
     def _submit(self, kind: str, name: str | None, key: tuple[Any, ...], entries: list[Entry],
-                **fields: Any) -> Handle:
-        base = "allreduce" if kind == "grouped_allreduce" else kind
-        signature = self._signature(key)
+                op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
+                algorithm: str | None = None, root: int = 0, inplace: bool = False,
+                grouped: bool = False) -> Handle:
+        signature, fusion = self._signature(key, entries[0].backend.name if entries else "")
         with self._cond:
-            self._check_open()
+            if self._closed is not None:
+                self._check_open()
             if name is None:
                 number = self._counters.get(kind, 0)
                 self._counters[kind] = number + 1
@@ -232,7 +241,9 @@ class Engine:
                     f"rank {self.rank}: an async operation named {name!r} is already in "
                     "flight; wait for its handle before submitting that name again, or give "
                     "this one another name")
-            request = Request(name, base, signature, entries, Handle(name), **fields)
+            request = Request(name, "allreduce" if grouped else kind, signature, entries,
+                              Handle(name), op, prescale, postscale, algorithm, root, inplace,
+                              grouped, fusion)
             if not entries:  # an empty group: nothing to agree on or to move
                 request.handle._finish([], None)
                 return request.handle
@@ -298,26 +309,33 @@ class Engine:
 
     def _cycle(self, incoming: list[Request], stopping: bool) -> bool:
         """Run one cycle; True if anything moved (on any rank)."""
-        for request in incoming:
-            self._pending[request.name] = request
         self.stats.cycles += 1
         agreement = self._negotiator.exchange([(r.name, r.signature) for r in incoming],
                                               stopping, config.FUSION_THRESHOLD.get())
         agreed_at = time.perf_counter()
         tl = timeline.current()
-        runnable = []
-        pending, mismatched = self._pending, agreement.mismatched
-        for name in agreement.ready:
-            request = pending.pop(name)
-            request.agreed_at = agreed_at
-            if tl is not None:
-                tl.span(self._lane, self._lane_name, name, "QUEUE", request.handle.submitted_at,
-                        agreed_at)
-            if mismatched and name in mismatched:
-                request.error = MismatchError(self._mismatch(name, mismatched[name]))
-                self._finish(request)
-            else:
-                runnable.append(request)
+        self._running = incoming
+        if agreement.same:  # all of them, in submission order
+            runnable = incoming
+            ready = incoming
+        else:
+            pending, mismatched = self._pending, agreement.mismatched
+            for request in incoming:
+                pending[request.name] = request
+            ready = [pending.pop(name) for name in agreement.ready]
+            runnable = []
+            for request in ready:
+                if request.name in mismatched:
+                    request.error = MismatchError(self._mismatch(request.name,
+                                                                 mismatched[request.name]))
+                    self._finish(request)
+                else:
+                    runnable.append(request)
+        if tl is not None:
+            for request in ready:
+                request.agreed_at = agreed_at
+                tl.span(self._lane, self._lane_name, request.name, "QUEUE",
+                        request.handle.submitted_at, agreed_at)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
             self._run(bucket, number, tl)
         if agreement.all_stopped:
@@ -330,6 +348,7 @@ class Engine:
                 self._finish(request)
             self._pending.clear()
             self._finished = True
+        self._running = []
         if tl is not None:
             tl.flush()
         return agreement.news or bool(agreement.ready)
@@ -356,24 +375,26 @@ class Engine:
             if error is not None and request.error is None:
                 request.error = error
             request.unfinished -= 1
-            if request.unfinished == 0:
+            if not request.unfinished:
                 done.append(request)
         self._finish(*done)
 
     def _finish(self, *requests: Request) -> None:
         """Free the requests' names, then hand out their results (or errors)."""
         with self._cond:
-            self._in_flight.difference_update(r.name for r in requests)
+            self._in_flight.difference_update([r.name for r in requests])
         self.stats.operations += len(requests)
+        now = time.perf_counter()
         for request in requests:
             error = request.error
-            request.handle._finish(None if error is not None else request.result, error)
+            request.handle._finish(None if error is not None else request.result, error, now)
 
     def _abort(self, exc: BaseException) -> None:
         self._finished = True
         with self._cond:
             self._closed = f"failed: {exc!r}"
-            doomed = list(self._pending.values()) + self._incoming
+            doomed = list(self._pending.values()) + self._incoming + [
+                r for r in self._running if not r.handle.done and r.name not in self._pending]
             self._pending.clear()
             self._incoming = []
         for request in doomed:

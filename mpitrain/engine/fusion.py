@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any
 
 from .request import Entry, Request
 
@@ -53,39 +53,39 @@ class Bucket:
         return list({id(r): r for r, _ in self.items}.values())
 
 
-def fusion_key(request: Request, entry: Entry) -> Hashable:
-    """Entries with equal keys may be reduced together in one buffer."""
-    return (entry.backend.name, entry.dtype, request.op, request.prescale, request.postscale,
-            request.algorithm)
+def fusion_key(backend: str, dtype: Any, op: str | None, prescale: float, postscale: float,
+               algorithm: str | None) -> str:
+    """Arrays with equal keys may be reduced together in one buffer (a string, so that
+    the engine builds it once per signature and looks it up without hashing)."""
+    return f"{backend} {dtype} {op} {prescale!r} {postscale!r} {algorithm}"
 
 
 def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
     """Cut agreed ``requests`` into buckets of at most ``threshold`` bytes (see module doc)."""
     buckets: list[Bucket] = []
-    filling: dict[Hashable, Bucket] = {}
+    filling: dict[str, Bucket] = {}
     for request in requests:
         if request.kind != "allreduce":
+            buckets.extend(Bucket([(request, entry)], entry.nbytes) for entry in request.entries)
+        elif request.grouped:
+            groups: dict[str, Bucket] = {}
             for entry in request.entries:
-                buckets.append(Bucket())
-                buckets[-1].add(request, entry)
-            continue
-        if request.grouped:
-            groups: dict[Hashable, Bucket] = {}
-            for entry in request.entries:
-                groups.setdefault(fusion_key(request, entry), Bucket()).add(request, entry)
+                key = fusion_key(entry.backend.name, entry.dtype, request.op.value,
+                                 request.prescale, request.postscale, request.algorithm)
+                groups.setdefault(key, Bucket()).add(request, entry)
             buckets.extend(groups.values())
-            continue
-        entry = request.entries[0]
-        if entry.nbytes >= threshold:
-            buckets.append(Bucket())
-            buckets[-1].add(request, entry)
-            continue
-        key = fusion_key(request, entry)
-        bucket = filling.get(key)
-        if bucket is None or bucket.nbytes + entry.nbytes > threshold:
-            bucket = filling[key] = Bucket()
-            buckets.append(bucket)
-        bucket.add(request, entry)
+        else:
+            entry = request.entries[0]
+            nbytes = entry.nbytes
+            if nbytes >= threshold:
+                buckets.append(Bucket([(request, entry)], nbytes))
+                continue
+            bucket = filling.get(request.fusion)
+            if bucket is None or bucket.nbytes + nbytes > threshold:
+                bucket = filling[request.fusion] = Bucket()
+                buckets.append(bucket)
+            bucket.items.append((request, entry))
+            bucket.nbytes += nbytes
     return buckets
 
 
@@ -132,19 +132,26 @@ class BucketRunner:
         request, first = bucket.items[0]
         be = first.backend
         packing = time.perf_counter()
-        buf = be.concatenate([be.flat(be.ascontiguous(entry.array)) for _, entry in bucket.items])
+        flats = []
+        for _, entry in bucket.items:
+            contiguous = be.ascontiguous(entry.array)
+            # the flat view doubles as the unpack target when it is the caller's memory
+            flats.append((be.flat(contiguous), contiguous is entry.array))
+        buf = be.concatenate([flat for flat, _ in flats])
         start = _begin(bucket)
         self.comm.allreduce_(buf, request.op, request.algorithm, request.prescale,
                              request.postscale)
         unpacking = time.perf_counter()
         offset = 0
-        for req, entry in bucket.items:
-            view = buf[offset:offset + entry.count].reshape(entry.array.shape)
-            offset += entry.count
-            if req.inplace:
-                be.copy_into(entry.array, view)
+        for (req, entry), (flat, own) in zip(bucket.items, flats):
+            end = offset + entry.count
+            if not req.inplace:
+                entry.output = buf[offset:end].reshape(entry.array.shape)
+            elif own:
+                be.copy_into(flat, buf[offset:end])
             else:
-                entry.output = view
+                be.copy_into(entry.array, buf[offset:end].reshape(entry.array.shape))
+            offset = end
         return [("PACK", packing, start), (self._collective_name(request), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
 
@@ -155,7 +162,7 @@ class BucketRunner:
 def _begin(bucket: Bucket) -> float:
     """Mark the bucket's requests as started (first start wins) and return the time."""
     now = time.perf_counter()
-    for request in bucket.requests:
+    for request, _ in bucket.items:
         if request.handle.started_at is None:
             request.handle.started_at = now
     return now

@@ -51,6 +51,8 @@ class Agreement:
         mismatched: those of them whose signatures differ, with each rank's.
         all_stopped: every rank has asked the engine to stop.
         news: some rank announced something this cycle.
+        same: ``ready`` is exactly this rank's announcements, in order (every rank
+            announced the same, and nothing older was waiting).
         threshold: the smallest fusion threshold of any rank, so that every rank cuts
             the ready requests into the same buckets even if their settings differ.
     """
@@ -60,6 +62,7 @@ class Agreement:
     all_stopped: bool
     news: bool
     threshold: int
+    same: bool = False
 
 
 class Negotiator:
@@ -84,7 +87,8 @@ class Negotiator:
                  threshold: int) -> Agreement:
         """One cycle: share ``(name, signature)`` pairs, stop flag and threshold."""
         numbers = self.numbers
-        announcements = [numbers.get(pair, pair) for pair in pairs]
+        announcements: list[Announcement] | list[tuple[str, str]] = \
+            [numbers.get(pair, pair) for pair in pairs] if numbers else pairs
         payload = pickle.dumps(announcements, pickle.HIGHEST_PROTOCOL) if pairs else b""
         self._slot[:8 * _FIELDS].view(np.int64)[:] = (len(payload), int(stopping), threshold)
         if len(payload) <= _INLINE:
@@ -100,8 +104,10 @@ class Negotiator:
                 # Every rank announced the same requests in the same order, and nothing
                 # older is waiting: all of them are ready, in this rank's order.
                 agreement.ready = [name for name, _ in pairs]
+                agreement.same = True
                 for name, signature in pairs:
-                    self.remember(name, signature)
+                    if ".noname." not in name:
+                        self.remember(name, signature)
             else:
                 for rank, data in enumerate(payloads):
                     self._record(rank, data)

@@ -62,8 +62,9 @@ class Handle:
         """Same as :meth:`test`."""
         return self._done
 
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        self.finished_at = time.perf_counter()
+    def _finish(self, result: Any, error: BaseException | None,
+                now: float | None = None) -> None:
+        self.finished_at = time.perf_counter() if now is None else now
         self._result, self._error = result, error
         self._request = None
         self._done = True
@@ -103,18 +104,19 @@ class Request:
     ranks disagree. A grouped allreduce is one request of several entries.
     """
 
-    __slots__ = ("agreed_at", "algorithm", "entries", "error", "grouped", "handle", "inplace",
-                 "kind", "name", "op", "postscale", "prescale", "root", "signature",
+    __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "grouped", "handle",
+                 "inplace", "kind", "name", "op", "postscale", "prescale", "root", "signature",
                  "unfinished")
 
     def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
                  handle: Handle, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
                  postscale: float = 1.0, algorithm: str | None = None, root: int = 0,
-                 inplace: bool = False, grouped: bool = False) -> None:
+                 inplace: bool = False, grouped: bool = False, fusion: str = "") -> None:
         self.name, self.kind, self.signature = name, kind, signature
         self.entries, self.handle = entries, handle
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
+        self.fusion = fusion  # allreduces with equal fusion keys may share a buffer
         self.agreed_at = 0.0  # when every rank had submitted it
         self.unfinished = len(entries)  # entries whose bucket has not run yet
         self.error: BaseException | None = None

@@ -87,20 +87,26 @@ def test_in_place_semantics(comm: mt.Communicator) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_named_tensors_in_a_different_order_per_rank(comm: mt.Communicator) -> None:
-    """Odd ranks submit in reverse, even ranks in a rank-seeded shuffle."""
-    specs = [(f"grad/{i}", 1 + 37 * i, ["float32", "float64", "int32"][i % 3]) for i in range(40)]
-    order = list(range(len(specs)))
-    if comm.rank % 2:
-        order.reverse()
-    else:
-        np.random.default_rng(comm.rank).shuffle(order)
-    handles = {}
-    for i in order:
-        name, n, dtype = specs[i]
-        handles[name] = comm.allreduce_async(crafted(comm.rank + i, n, dtype, mt.Sum), name=name)
-    for i, (name, n, dtype) in enumerate(specs):
-        want = sum(crafted(r + i, n, dtype, mt.Sum) for r in range(comm.size))
-        assert_equal_all_ranks(comm, handles[name].wait(), np.asarray(want, dtype), name)
+    """Three steps over the same names (the later ones announced by number); each step
+    odd ranks submit in reverse and even ranks in a shuffle seeded by rank and step.
+    The long names take the negotiation past its inline slot."""
+    specs = [(f"model/layer{i}/" + "weight-gradient" * 6, 1 + 37 * i,
+              ["float32", "float64", "int32"][i % 3]) for i in range(40)]
+    for step in range(3):
+        order = list(range(len(specs)))
+        if comm.rank % 2:
+            order.reverse()
+        else:
+            np.random.default_rng(comm.rank + 10 * step).shuffle(order)
+        handles = {}
+        for i in order:
+            name, n, dtype = specs[i]
+            x = crafted(comm.rank + i + step, n, dtype, mt.Sum)
+            handles[name] = comm.allreduce_async(x, name=name)
+        for i, (name, n, dtype) in enumerate(specs):
+            want = sum(crafted(r + i + step, n, dtype, mt.Sum) for r in range(comm.size))
+            assert_equal_all_ranks(comm, handles[name].wait(), np.asarray(want, dtype),
+                                   f"step {step} {name}")
 
 
 @pytest.mark.mpi(min_size=1)

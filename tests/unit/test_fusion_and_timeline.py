@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
+from benchmarks import harness
 from mpitrain import config
 from mpitrain.backends import NUMPY
-from mpitrain.engine.fusion import plan_buckets
+from mpitrain.engine.fusion import fusion_key, plan_buckets
 from mpitrain.engine.request import Entry, Handle, Request
 from mpitrain.timeline import Timeline
 
@@ -19,8 +20,9 @@ from mpitrain.timeline import Timeline
 def request(name: str, *arrays: Any, kind: str = "allreduce", op: mt.ReduceOp = mt.Sum,
             grouped: bool = False, algorithm: str = "auto") -> Request:
     entries = [Entry(a, NUMPY, a.dtype) for a in arrays]
+    key = fusion_key("numpy", arrays[0].dtype, op.value, 1.0, 1.0, algorithm)
     return Request(name, kind, "sig", entries, Handle(name), op=op, grouped=grouped,
-                   algorithm=algorithm)
+                   algorithm=algorithm, fusion=key)
 
 
 def names(buckets: list[Any]) -> list[list[str]]:
@@ -82,3 +84,18 @@ def test_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "soon")
     with pytest.raises(ValueError, match="MPITRAIN_CYCLE_TIME_MS='soon'"):
         config.CYCLE_TIME_MS.get()
+
+
+def test_fusion_benchmark_verifies_and_writes_json(tmp_path: Any,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+
+    out = tmp_path / "fusion.json"
+    assert harness.main(["fusion", "-b", "1K", "-e", "2K", "-t", "7", "-n", "2", "-w", "1",
+                         "-d", "int32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fused/one" in text and "Out of bounds values : 0 OK" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["size"], r["mode"], r["wrong"]) for r in rows] == [
+        (1024, "out-of-place", 0), (1024, "in-place", 0), (2048, "out-of-place", 0),
+        (2048, "in-place", 0)]
+    assert all(r["collectives_per_fused_call"] >= 1 for r in rows)
