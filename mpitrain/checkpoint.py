@@ -143,6 +143,9 @@ def _write_atomically(final: str, payload: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # mkstemp's 0600, widened as open() would
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
