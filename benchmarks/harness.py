@@ -162,7 +162,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p = _Parser(quiet, prog="python -m benchmarks",
                 description="Time and verify mpitrain collectives against MPI's own, "
                             "nccl-tests style. Run under mpirun.")
-    p.add_argument("collective", choices=sorted(COLLECTIVES))
+    p.add_argument("collective", choices=sorted(COLLECTIVES),
+                   help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
                    help="smallest size in bytes (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
@@ -528,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 if every verified element was right, else 1.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
+        from . import fusion
+
+        return fusion.main(args[1:])
     nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     opts = parse_args(args, nranks, quiet=rank != 0)
     comm = mt.Communicator(MPI.COMM_WORLD)

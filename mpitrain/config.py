@@ -139,9 +139,20 @@ ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
 MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
                   "mpiexec used by mpitrain-run (default: next to python, then PATH).")
 
+FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
+                           "Async allreduces are packed into fusion buffers of up to this "
+                           "many bytes; 0 turns fusion off.")
+CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
+                        "Async engine: pause after a cycle in which nothing moved, and the "
+                        "longest sleep while polling for other ranks (milliseconds).")
+TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
+                   "Chrome-trace file that rank 0 writes the async engine's timeline to.")
+
+
 ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
-    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, CHECK, SHM, STALL_WARNING_S, STALL_TIMEOUT_S,
-    STALL_ACTION, ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC)
+    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, CHECK, SHM, FUSION_THRESHOLD, CYCLE_TIME_MS,
+    TIMELINE, STALL_WARNING_S, STALL_TIMEOUT_S, STALL_ACTION, ABORT_ON_EXCEPTION, ELASTIC,
+    MPIEXEC)
 
 
 def describe() -> str:

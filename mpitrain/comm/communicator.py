@@ -22,6 +22,7 @@ from ..algorithms.chunks import bounds_from_counts, split_bounds
 from ..algorithms.shared_memory import offer_block
 from ..backends import NUMPY, ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
+from ..engine import AsyncCollectives
 from ..errors import ArgumentError
 from ..ops import ReduceOp, parse_op
 from . import objects
@@ -38,7 +39,7 @@ ARENA_BYTES = 8 << 20
 """Shared-memory arena per rank for the stripes of large shm collectives."""
 
 
-class Communicator:
+class Communicator(AsyncCollectives):
     """Collectives over the ranks of an MPI intracommunicator.
 
     Args:
@@ -50,7 +51,9 @@ class Communicator:
 
     Every method is collective: all ranks of the communicator must call it, in the
     same order, with agreeing arguments (checked unless ``check`` is off). A
-    communicator is not thread-safe: call it from one thread at a time.
+    communicator is not thread-safe: call it from one thread at a time. The asynchronous
+    methods (``allreduce_async``, ``grouped_allreduce``, ...) come from
+    :class:`~mpitrain.engine.AsyncCollectives`.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool | None = None,
@@ -75,6 +78,7 @@ class Communicator:
         self._plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
+        self.last_algorithm = ""  # the algorithm of the latest call (shown by the timeline)
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -341,7 +345,12 @@ class Communicator:
         return objects.allgather_object(self.transport, obj)
 
     def free(self) -> None:
-        """Release the communicator's private MPI resources (collective)."""
+        """Release the communicator's private MPI resources (collective).
+
+        Stops the async engine first: operations every rank submitted are finished,
+        the others fail.
+        """
+        self._stop_async_engine()
         self._plans.clear()
         if self.shm is not None:
             self.shm.free()
@@ -408,6 +417,7 @@ class Communicator:
             if len(self._choices) >= 1024:
                 self._choices.clear()
             self._choices[key] = choice
+        self.last_algorithm = choice
         return choice
 
     def _choose(self, collective: str, name: str, from_env: bool, nbytes: int,
