@@ -9,6 +9,8 @@ from typing import Iterator
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Ranks share few cores: one compute thread each (torch's OpenMP threads would spin).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
