@@ -13,9 +13,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def comm() -> Iterator[object]:
-    """The default mpitrain communicator over every rank of the job."""
+    """The default mpitrain communicator over every rank of the job.
+
+    Fetched per module: a test may shut mpitrain down and initialise it again, which
+    replaces the default communicator.
+    """
     import mpitrain as mt
 
     yield mt.init()
