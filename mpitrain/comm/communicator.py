@@ -86,8 +86,11 @@ class Communicator(AsyncCollectives):
         self.transport = Transport(comm)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.topology = Topology.detect(self.mpi_comm)
+        # Not under ULFM: a rank that dies is only noticed by MPI calls, never by a
+        # shared-memory barrier, which would wait for it forever.
         self.shm = shared.create(self.mpi_comm, self.topology.local_size == self.size,
-                                 config.SHM.get(shared_memory), SLOT_BYTES, ARENA_BYTES)
+                                 config.SHM.get(shared_memory) and not config.ELASTIC.get(),
+                                 SLOT_BYTES, ARENA_BYTES)
         if self.shm is not None:
             self.transport.watch(self.shm)
         self.validator = Validator(self.transport, self.shm)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 from mpi4py import MPI
 
 from ..errors import StallError
-from .inspector import Inspector, abort, describe, warn
+from .inspector import Inspector, abort, warn
 
 if TYPE_CHECKING:
     from .shm import SharedMemory
@@ -196,11 +196,11 @@ class Transport:
         ins = self.inspector
         if ins.timeout_s and total >= ins.timeout_s:
             if ins.action == "abort":
-                abort(describe(self.rank, self.current, self.seq, total, ins.survey()))
+                abort(ins.report(self.current, self.seq, total))
             raise self._stall(total)
         if ins.warning_s and total >= ins.warning_s and not self._shm_warned:
             self._shm_warned = True
-            warn(describe(self.rank, self.current, self.seq, total, ins.survey()))
+            warn(ins.report(self.current, self.seq, total))
 
     def free(self) -> None:
         """Release the private communicator (collective)."""
@@ -233,8 +233,7 @@ class Transport:
                 pause = min(2 * pause + 1e-5, _MAX_PAUSE_S)
 
     def _stall(self, waited: float) -> StallError:
-        self.broken = describe(self.rank, self.current, self.seq, waited,
-                               self.inspector.survey())
+        self.broken = self.inspector.report(self.current, self.seq, waited)
         return StallError(f"{self.broken}. This communicator is now unusable: messages of the "
                        "interrupted collective may still be in flight, and every later call on "
                        "it raises StallError. Create a new mpitrain.Communicator (or call "
