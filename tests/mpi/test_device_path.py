@@ -21,7 +21,7 @@ import mpitrain as mt
 
 POLICIES = {"staged": "0", "cuda-aware": "1"}
 ALGORITHMS = ["ring", "mpi"]
-DTYPES = ["float32", "bfloat16", "int64"]
+DTYPES = ["float32", "bfloat16"]  # integers: the scaling and reduce-scatter tests
 
 
 def counts(size: int) -> list[int]:
@@ -96,7 +96,7 @@ def test_scaling_streams_and_out(comm: mt.Communicator, policy: str, algorithm: 
 @pytest.mark.parametrize("dtype", ["float16", "int32"])
 def test_reduce_scatter(comm: mt.Communicator, policy: str, algorithm: str, dtype: str) -> None:
     with fake_backend(seed(comm, policy, algorithm, dtype, "rs")):
-        for rows in (comm.size, 2 * comm.size + 1, 33):
+        for rows in (2 * comm.size + 1, 33):
             for op in (mt.Sum, mt.Max, mt.Average):
                 full = reference(comm.size, rows * 3, dtype, op).reshape(rows, 3)
                 mine = np.array_split(full, comm.size)[comm.rank]
