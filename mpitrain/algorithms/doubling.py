@@ -13,9 +13,12 @@ the end; the others take the virtual ranks ``0 .. p - 1``.
 
 Every exchange is cut into ``segs``, all posted at once; segment ``k`` is reduced as
 soon as it has arrived and its own send has left, so reductions overlap the transfer
-of later segments. Received segments land in ``scratch``. Each rank sends ``log2 p``
-whole buffers: the choice for two ranks and for small buffers, where the number of
-rounds matters more than the bytes; the ring sends less on more ranks.
+of later segments. With two ranks, :meth:`~RecursiveDoublingAllreduce.start` only
+posts the exchange and :meth:`~RecursiveDoublingAllreduce.finish` completes it, so a
+caller can overlap other work with the transfer. Received segments land in
+``scratch``. Each rank sends ``log2 p`` whole buffers: the choice for two ranks and for
+small buffers, where the number of rounds matters more than the bytes; the ring sends
+less on more ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from .base import PlanRequest
 from .chunks import segment_count, split_bounds
 
 TAG = 21
+Posted = tuple[list[Request], list[Request | None]]
+"""Receives and sends of one exchange, one per segment."""
 
 
 class RecursiveDoublingAllreduce:
@@ -56,9 +61,19 @@ class RecursiveDoublingAllreduce:
         segments = segment_count(self.count, req.dtype.itemsize, req.segment_bytes)
         self.segs = split_bounds(self.count, segments)
         self.scratch = req.backend.empty(self.count if n > 1 else 0, req.dtype)
+        self.pending: tuple[Any, Any, Posted] | None = None
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
+        self.start(src, out)
+        self.finish()
+
+    def start(self, src: Any, out: Any) -> None:
+        """Begin :meth:`run`; :meth:`finish` completes it.
+
+        With two ranks this only posts the exchange, so the caller can work (on other
+        buffers) while it is on the wire; otherwise it runs to completion.
+        """
         if self.transport.size == 1 or self.count == 0:
             if src is not out:
                 self.backend.copy_into(out, src)
@@ -68,23 +83,38 @@ class RecursiveDoublingAllreduce:
             self._send(src, fold)
             self._receive(out, fold)
             return
+        if fold is None and len(self.partners) == 1:
+            self.pending = (src, out, self._post(src, self.partners[0], send=True))
+            return
         acc = src
         if fold is not None:
-            self._receive_reduce(acc, out, fold, send=False)
+            self._complete(acc, out, self._post(acc, fold, send=False))
             acc = out
         for partner in self.partners:
-            self._receive_reduce(acc, out, partner, send=True)
+            self._complete(acc, out, self._post(acc, partner, send=True))
             acc = out
         if fold is not None:
             self._send(out, fold)
 
-    def _receive_reduce(self, acc: Any, out: Any, peer: int, send: bool) -> None:
-        """``out = acc <op> peer's buffer``, sending ``acc`` to ``peer`` if ``send``."""
-        t, be, as_bytes = self.transport, self.backend, self.backend.as_bytes
+    def finish(self) -> None:
+        """Complete what :meth:`start` began."""
+        if self.pending is not None:
+            acc, out, posted = self.pending
+            self.pending = None
+            self._complete(acc, out, posted)
+
+    def _post(self, acc: Any, peer: int, send: bool) -> Posted:
+        """Post the receives of ``peer``'s buffer and (if ``send``) the sends of ``acc``."""
+        t, as_bytes = self.transport, self.backend.as_bytes
         recvs = [t.irecv(as_bytes(self.scratch[lo:hi]), peer, TAG) for lo, hi in self.segs]
-        sends: list[Request | None] = [t.isend(as_bytes(acc[lo:hi]), peer, TAG) if send
-                                       else None for lo, hi in self.segs]
-        for (lo, hi), recv, sent in zip(self.segs, recvs, sends):
+        sends = [t.isend(as_bytes(acc[lo:hi]), peer, TAG) if send else None
+                 for lo, hi in self.segs]
+        return recvs, sends
+
+    def _complete(self, acc: Any, out: Any, posted: Posted) -> None:
+        """``out = acc <op> peer's buffer``, segment by segment as they arrive."""
+        t, be = self.transport, self.backend
+        for (lo, hi), recv, sent in zip(self.segs, *posted):
             t.wait(recv)
             if sent is not None:  # out may be acc: its segment must have left first
                 t.wait(sent)

@@ -12,7 +12,11 @@ and the local ranks above (only on larger nodes) take part inside their node onl
   allreduce of shard ``i`` among the local ranks ``i`` of all nodes, every local rank
   at once, so all shards cross the links in parallel: recursive doubling (a single
   exchange) for two nodes or small shards, the ring otherwise. Intra-node allgather
-  of the shards.
+  of the shards. A large buffer is cut into *pieces* (:func:`piece_count`) that
+  overlap: the shards of piece ``p`` start across nodes as soon as it is
+  reduce-scattered, while piece ``p + 1`` is; a shard goes to the node's other ranks
+  (one non-blocking send to each, so that no rank waits for a slower one) as soon as
+  it is final, while later shards are still between nodes.
 * **Reduce-scatter** and **allgather** keep their contract (rank ``r`` gets, or
   gives, chunk ``r``). Every rank belongs to column ``local_rank % columns``; the
   *packed* layout orders the chunks by column, then node, then rank, so that a
@@ -52,6 +56,10 @@ from .selection import select
 # ones by the ring (fewer bytes), except between two nodes, where both send the same.
 DOUBLING_MAX_BYTES = 64 << 10
 DELIVER_TAG = 31
+GATHER_TAG = 32
+# Large allreduces run in up to MAX_PIECES pieces of at least PIECE_BYTES, pipelined.
+PIECE_BYTES = 2 << 20
+MAX_PIECES = 8
 
 _FLAT = {
     "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter},
@@ -93,34 +101,99 @@ def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
                               segment_bytes=inter_segment_bytes(req.segment_bytes))
     if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
         return RecursiveDoublingAllreduce(sub)
-    return RingAllreduce(sub)
+    return _Blocking(RingAllreduce(sub))
+
+
+class _Blocking:
+    """``start``/``finish`` for a plan that only runs to completion."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def start(self, src: Any, out: Any) -> None:
+        """Run the plan."""
+        self.plan.run(src, out)
+
+    def finish(self) -> None:
+        """Nothing left to do."""
+
+
+def piece_count(nbytes: int) -> int:
+    """How many pieces an allreduce of ``nbytes`` is pipelined in."""
+    return max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
+
+
+class _Piece:
+    """One piece ``[lo, hi)`` of the buffer through the three allreduce phases."""
+
+    def __init__(self, req: PlanRequest, lo: int, hi: int) -> None:
+        topo = req.topology
+        columns, self.local = topo.min_local_size, topo.local
+        n = hi - lo
+        shards = split_bounds(n, columns) + [(n, n)] * (self.local.size - columns)
+        self.lo, self.hi = lo, hi
+        # Absolute element range of every local rank's shard of this piece.
+        self.shards = [(lo + a, lo + b) for a, b in shards]
+        self.shard = self.shards[self.local.rank]
+        self.peers = [r for r in range(self.local.size) if r != self.local.rank]
+        self.as_bytes = req.backend.as_bytes
+        # Our ring reads and writes the same buffer safely: it runs in place.
+        self.rs = _phase("reduce_scatter", req, self.local, shards, "ring")
+        self.inter = _inter_allreduce(req, topo.cross, shards[self.local.rank][1] -
+                                      shards[self.local.rank][0]) \
+            if self.local.rank < columns and topo.cross.size > 1 else None
+
+    def reduce_scatter(self, src: Any, out: Any) -> None:
+        """Intra-node: this rank's shard of the piece gets the node's sum."""
+        lo, hi = self.shard
+        self.rs.run(src[self.lo:self.hi], out[lo:hi])
+
+    def start_inter(self, out: Any) -> None:
+        """Inter-node: start the allreduce of the shard (in place)."""
+        if self.inter is not None:
+            lo, hi = self.shard
+            self.inter.start(out[lo:hi], out[lo:hi])
+
+    def finish_inter(self) -> None:
+        """Inter-node: complete it."""
+        if self.inter is not None:
+            self.inter.finish()
+
+    def receive_shards(self, out: Any) -> list[Request]:
+        """Intra-node allgather, first half: post the receives of the other shards."""
+        return [self.local.irecv(self.as_bytes(out[self.shards[r][0]:self.shards[r][1]]),
+                                 r, GATHER_TAG)
+                for r in self.peers if self.shards[r][1] > self.shards[r][0]]
+
+    def send_shard(self, out: Any) -> list[Request]:
+        """Intra-node allgather, second half: send the finished shard to the others."""
+        lo, hi = self.shard
+        if hi == lo:
+            return []
+        return [self.local.isend(self.as_bytes(out[lo:hi]), r, GATHER_TAG) for r in self.peers]
 
 
 class HierarchicalAllreduce:
-    """Intra-node reduce-scatter, inter-node allreduce per shard, intra-node allgather."""
+    """Intra-node reduce-scatter, inter-node allreduce per shard, intra-node allgather,
+    pipelined over pieces of the buffer."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.topology = topo = req.topology
-        columns, local = topo.min_local_size, topo.local
-        shards = split_bounds(req.count, columns) + \
-            [(req.count, req.count)] * (local.size - columns)
-        self.shard = shards[local.rank]
-        # Our ring reads and writes the same buffer safely: the phases run in place.
-        self.intra_rs = _phase("reduce_scatter", req, local, shards, "ring")
-        self.intra_ag = _phase("allgather", req, local, shards, "ring")
-        lo, hi = self.shard
-        self.inter = _inter_allreduce(req, topo.cross, hi - lo) \
-            if local.rank < columns and topo.cross.size > 1 else None
+        self.topology = req.topology
+        pieces = split_bounds(req.count, piece_count(req.count * req.dtype.itemsize))
+        self.pieces = [_Piece(req, lo, hi) for lo, hi in pieces]
 
     def run(self, src: Any, out: Any) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
         _begin(self.topology, "hierarchical allreduce")
-        lo, hi = self.shard
-        shard = out[lo:hi]
-        self.intra_rs.run(src, shard)
-        if self.inter is not None:
-            self.inter.run(shard, shard)
-        self.intra_ag.run(shard, out)
+        gather: list[Request] = []
+        for piece in self.pieces:
+            piece.reduce_scatter(src, out)  # its sends are done: out may now be received
+            gather += piece.receive_shards(out)
+            piece.start_inter(out)
+        for piece in self.pieces:
+            piece.finish_inter()
+            gather += piece.send_shard(out)
+        self.topology.local.waitall(gather)
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from helpers import (
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.algorithms import PlanRequest
+from mpitrain.algorithms import PlanRequest, hierarchical
 from mpitrain.algorithms.doubling import RecursiveDoublingAllreduce
 from mpitrain.backends import NUMPY
 from mpitrain.comm.topology import Topology
@@ -118,6 +118,16 @@ def test_every_layout_segmented(emulated: Emulated, env: pytest.MonkeyPatch) -> 
     check_allreduce(c, "hierarchical", "float32", mt.Sum, [c.size - 1, 37, 1001])
     check_reduce_scatter(c, "hierarchical", "int16", mt.Sum, [37, 333])
     check_allgather(c, "hierarchical", "uint8", [37, 401])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allreduce_in_pieces(emulated: Emulated, env: pytest.MonkeyPatch) -> None:
+    """Small pieces reach the pipeline (one piece between nodes, the next inside)."""
+    c, _ = emulated
+    env.setattr(hierarchical, "PIECE_BYTES", 64)
+    env.setattr(hierarchical, "MAX_PIECES", 5)
+    check_allreduce(c, "hierarchical", "int16", mt.Sum, [c.size + 1, 97, 4099, 77_777])
+    check_allreduce(c, "hierarchical", "float64", mt.Product, [4099])
 
 
 @pytest.mark.mpi(min_size=1)
