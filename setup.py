@@ -19,7 +19,7 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ml_dtypes>=0.3", "scikit-learn>=1.3"],
         "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["mpitrain-tune = mpitrain.tune:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",
