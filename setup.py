@@ -22,7 +22,8 @@ setup(
         "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7"],
         "examples": ["scikit-learn>=1.3"],
     },
-    entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main"]},
+    entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main",
+                                      "mpitrain-tune = mpitrain.tune:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",

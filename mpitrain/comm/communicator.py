@@ -430,6 +430,13 @@ class Communicator(AsyncCollectives):
         """Whether calls are validated (the constructor's ``check``, else MPITRAIN_CHECK)."""
         return self._check if self._check is not None else config.CHECK.get()
 
+    def algorithms(self, collective: str) -> list[str]:
+        """The algorithms this communicator can run for ``collective`` on host buffers."""
+        if collective not in algorithms.ALGORITHMS:
+            raise ArgumentError(f"unknown collective {collective!r}; use one of "
+                                f"{', '.join(algorithms.ALGORITHMS)}")
+        return list(self._available_for(collective, NUMPY))
+
     def _available_for(self, collective: str, be: ArrayBackend) -> tuple[str, ...]:
         """The algorithms this communicator can run for ``collective`` on ``be``'s buffers."""
         key = (collective, be.name)
