@@ -330,8 +330,8 @@ class Result:
 
 
 def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intracomm,
-            placement: Placement | None = None, unchecked: mt.Communicator | None = None,
-            dist: Any = None) -> list[Result]:
+            unchecked: mt.Communicator | None = None, dist: Any = None,
+            placement: Placement | None = None) -> list[Result]:
     """Measure memory, warm up, time and verify every implementation and variant at one size.
 
     Collective over ``world``; every rank returns the same results. ``unchecked`` runs
@@ -677,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if count == 0:
             continue
         case = Case(count, opts.dtype, opts.op, opts.root, rank, nranks)
-        row = measure(opts, case, comm, world, placement, unchecked, dist)
+        row = measure(opts, case, comm, world, unchecked, dist, placement)
         trailing = []
         if copies:
             size = row[0].size

@@ -87,7 +87,7 @@ def test_measure_on_device_buffers(name: str, monkeypatch: pytest.MonkeyPatch) -
         results = []
         for count in (1, 1000):
             case = Case(count, opts.dtype, opts.op, opts.root, 0, 1)
-            results += harness.measure(opts, case, comm, world, FakePlacement())
+            results += harness.measure(opts, case, comm, world, placement=FakePlacement())
     assert results and all(r.wrong == 0 for r in results)
     assert "mpi" in {r.impl for r in results} and len({r.impl for r in results}) >= 2
     world.Free()
