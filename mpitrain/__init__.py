@@ -16,6 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import elastic, excepthook
 from .comm import Communicator
 from .engine import EngineStats, Handle
 from .errors import (
@@ -38,12 +39,22 @@ _default: Communicator | None = None
 def init(comm: MPI.Intracomm | None = None) -> Communicator:
     """Create the default communicator (a duplicate of ``comm``, default COMM_WORLD).
 
-    Idempotent: later calls return the same communicator.
+    Idempotent: later calls return the same communicator. Also installs the hook that
+    ends the whole job when a rank dies of an uncaught exception (see
+    :mod:`mpitrain.excepthook`; ``MPITRAIN_ABORT_ON_EXCEPTION=0`` opts out).
     """
     global _default
+    excepthook.install()
     if _default is None:
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
     return _default
+
+
+def _replace_default(comm: Communicator) -> None:
+    """Make ``comm`` the default communicator without freeing the old one, whose ranks
+    may be gone (used by :mod:`mpitrain.elastic` after a rank failure)."""
+    global _default
+    _default = comm
 
 
 def is_initialized() -> bool:
@@ -87,12 +98,12 @@ def local_size() -> int:
 
 
 def cross_rank() -> int:
-    """Index of this process's node (rank among ranks with the same local rank)."""
+    """Index of this process's node (nodes are numbered by their lowest rank)."""
     return default_communicator().cross_rank
 
 
 def cross_size() -> int:
-    """Number of nodes (ranks with this local rank)."""
+    """Number of nodes."""
     return default_communicator().cross_size
 
 
@@ -191,7 +202,7 @@ __all__ = [
     "Min", "MismatchError", "MpitrainError", "NotInitializedError", "Product", "ReduceOp",
     "StallError", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_",
     "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank", "cross_size",
-    "default_communicator", "init", "is_initialized", "local_rank", "local_size", "rank",
+    "default_communicator", "elastic", "init", "is_initialized", "local_rank", "local_size", "rank",
     "reduce_scatter", "shutdown", "size",
 ]
 __all__ += [

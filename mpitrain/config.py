@@ -8,8 +8,8 @@ and see the change without re-importing anything.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ArgumentError
 
@@ -39,26 +39,64 @@ def _parse_size(text: str) -> int:
     return value
 
 
+def _parse_count(text: str) -> int:
+    """Parse an integer >= 1."""
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+# CPython keeps the environment in a dict of bytes on POSIX; reading it directly is several
+# times faster than os.environ.get, which matters on the per-call path of small collectives.
+_ENVIRON_BYTES: dict[bytes, bytes] | None = getattr(os.environ, "_data", None)
+if os.name != "posix" or not isinstance(_ENVIRON_BYTES, dict):  # pragma: no cover
+    _ENVIRON_BYTES = None
+
+
+def _raw(name: str, key: bytes) -> str | None:
+    if _ENVIRON_BYTES is None:  # pragma: no cover - non-POSIX
+        return os.environ.get(name)
+    value = _ENVIRON_BYTES.get(key)
+    return None if value is None else os.fsdecode(value)
+
+
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One ``MPITRAIN_*`` variable: its name, parser, default and meaning."""
+    """One ``MPITRAIN_*`` variable: its name, parser, default and meaning.
+
+    The variable is read on every :meth:`get` (so a changed environment is seen at
+    once); the parsed value of each raw text is cached.
+    """
 
     name: str
     parse: Callable[[str], T]
     default: T
     doc: str
+    _parsed: dict[str, T] = field(default_factory=dict, repr=False, compare=False)
+    _key: bytes = field(default=b"", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_key", os.fsencode(self.name))
 
     def get(self, override: T | None = None) -> T:
         """Return ``override`` if given, else the parsed variable, else the default."""
         if override is not None:
             return override
-        raw = os.environ.get(self.name)
-        if raw is None or raw == "":
+        raw = _raw(self.name, self._key)
+        if not raw:
             return self.default
         try:
-            return self.parse(raw)
+            return self._parsed[raw]
+        except KeyError:
+            pass
+        try:
+            value = self.parse(raw)
         except ValueError as exc:
             raise ArgumentError(f"{self.name}={raw!r} is not valid: {exc}") from None
+        if len(self._parsed) < 64:
+            self._parsed[raw] = value
+        return value
 
 
 ALGORITHM = Setting("MPITRAIN_ALGORITHM", str, "auto",
@@ -67,6 +105,11 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
                         "Pipeline segment size of the ring in bytes; 0 chooses by size.")
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
+CHECK = Setting("MPITRAIN_CHECK", _parse_bool, True,
+                "Cross-rank validation of every collective's arguments before data moves.")
+SHM = Setting("MPITRAIN_SHM", _parse_bool, True,
+              "Use shared-memory windows between the ranks of one node (validation, shm "
+              "algorithm); read when a communicator is created.")
 
 FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
                            "Async allreduces are packed into fusion buffers of up to this "
@@ -76,9 +119,55 @@ CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
                         "longest sleep while polling for other ranks (milliseconds).")
 TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
                    "Chrome-trace file that rank 0 writes the async engine's timeline to.")
+INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
+                              "Largest message of the inter-node phases of hierarchical "
+                              "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (ALGORITHM, SEGMENT_BYTES, TUNING_FILE,  # type: ignore[assignment]
-                                             FUSION_THRESHOLD, CYCLE_TIME_MS, TIMELINE)
+
+def _parse_seconds(text: str) -> float:
+    """Seconds as a float; 0 (or ``off``/``none``) turns the feature off."""
+    if text.strip().lower() in ("off", "none", "never"):
+        return 0.0
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"seconds must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return lowered
+    return parse
+
+
+STALL_WARNING_S = Setting("MPITRAIN_STALL_WARNING_S", _parse_seconds, 60.0,
+                          "Warn when a collective has waited this long for other ranks (0: "
+                          "never); read when a Communicator is created.")
+STALL_TIMEOUT_S = Setting("MPITRAIN_STALL_TIMEOUT_S", _parse_seconds, 0.0,
+                          "Raise StallError (or abort) after this long; 0: wait forever.")
+STALL_ACTION = Setting("MPITRAIN_STALL_ACTION", _parse_choice("raise", "abort"), "raise",
+                       "At the stall timeout: raise mt.StallError, or abort the whole job.")
+ABORT_ON_EXCEPTION = Setting("MPITRAIN_ABORT_ON_EXCEPTION", _parse_bool, True,
+                             "mt.init() installs an excepthook that ends the whole job when "
+                             "one rank raises an uncaught exception.")
+ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
+                  "The job runs under ULFM (mpitrain-run --elastic): a failing rank kills "
+                  "itself by signal so that the survivors are notified.")
+MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
+                  "mpiexec used by mpitrain-run (default: next to python, then PATH).")
+
+CUDA_AWARE: Setting[bool | None] = Setting(
+    "MPITRAIN_CUDA_AWARE", _parse_bool, None,
+    "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
+                        "Pinned host segments per direction when staging device buffers.")
+
+
+ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, Setting))
 
 
 def describe() -> str:

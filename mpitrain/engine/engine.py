@@ -207,7 +207,7 @@ class Engine:
             return None
         name = algorithm.lower()
         if name != "auto" and entries:
-            self.comm._algorithm(collective, name, 0, entries[0].backend)
+            self.comm._algorithm(collective, name, 0, entries[0].backend, entries[0].dtype)
         return name
 
     def _signature(self, key: tuple[Any, ...], backend: str) -> tuple[str, str]:

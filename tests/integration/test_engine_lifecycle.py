@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,34 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-MPIRUN = str(Path(sys.executable).parent / "mpirun") if (Path(sys.executable).parent
-                                                         / "mpirun").exists() \
-    else shutil.which("mpirun") or "mpirun"
-FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-         "--mca", "threads_pthreads_yield_strategy", "nanosleep"]
+from mpirun import finish, start
 
 
 def launch(tmp_path: Path, np_: int, script: str, **env: str) -> subprocess.Popen[str]:
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(script))
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
-                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
-    exports = [a for k in ("PYTHONPATH", *env) for a in ("-x", k)]
-    return subprocess.Popen([MPIRUN, *FLAGS, *exports, "-np", str(np_), sys.executable,
-                             str(path)], env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
-    """Wait for the job; kill its whole process group if it outlives ``timeout``."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return -1, out + "\n[killed after timeout]"
+    return start(np_, [sys.executable, str(path)], **env)
 
 
 def test_exit_without_shutdown_does_not_hang(tmp_path: Path) -> None:
