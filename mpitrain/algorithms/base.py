@@ -24,7 +24,7 @@ import numpy as np
 from ..backends import ArrayBackend
 from ..comm.shm import SharedMemory
 from ..comm.topology import Topology
-from ..comm.transport import Transport
+from ..comm.transport import PeerTransport
 from ..comm.validation import Validator
 from ..ops import ReduceOp
 from .chunks import Bounds
@@ -49,7 +49,7 @@ class PlanRequest:
         validator: the header exchange, for algorithms that carry data in it.
     """
 
-    transport: Transport
+    transport: PeerTransport
     topology: Topology
     backend: ArrayBackend
     dtype: np.dtype[Any]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends import ArrayBackend
-from ..comm.transport import Transport
+from ..comm.transport import PeerTransport
 from ..ops import ReduceOp
 from .chunks import Bounds, split_bounds
 
@@ -96,7 +96,7 @@ def virtual_blocks(fold: Fold, count: int) -> list[Bounds]:
     return blocks
 
 
-def allreduce_fold_in(fold: Fold, transport: Transport, backend: ArrayBackend, buf: Any,
+def allreduce_fold_in(fold: Fold, transport: PeerTransport, backend: ArrayBackend, buf: Any,
                       scratch: Any, op: ReduceOp, tag: int) -> bool:
     """The fold-in of an allreduce working in ``buf`` (``scratch``: at least as long).
 
@@ -116,7 +116,7 @@ def allreduce_fold_in(fold: Fold, transport: Transport, backend: ArrayBackend, b
     return True
 
 
-def allreduce_fold_out(fold: Fold, transport: Transport, backend: ArrayBackend, buf: Any,
+def allreduce_fold_out(fold: Fold, transport: PeerTransport, backend: ArrayBackend, buf: Any,
                        tag: int) -> None:
     """Send the result to the folded partner, if this rank has one."""
     if fold.keeps:

@@ -3,7 +3,8 @@
 They serve as the ``"mpi"`` algorithm (a baseline in benchmarks, and a candidate of
 the selection table where they are faster). Float16 and bfloat16, which MPI cannot
 reduce portably, are reduced by a user-defined MPI operation that calls our numpy
-reduction, over a contiguous datatype of one element so MPI never splits one.
+reduction, over a contiguous datatype of one element so MPI never splits one. So are
+Min and Max of floats, so that NaN propagates as it does in every other algorithm.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
 
 @functools.cache
 def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
-    """The MPI operation reducing ``dt`` with ``op`` (user-defined for float16/bf16)."""
-    if mpi_reduces_natively(dt):
+    """The MPI operation reducing ``dt`` with ``op``.
+
+    User-defined (our numpy reduction) for float16/bf16, and for Min/Max of floats:
+    Open MPI's ``MPI_MIN``/``MPI_MAX`` drop NaN, numpy's propagate it, and every
+    algorithm must give the same result.
+    """
+    if mpi_reduces_natively(dt) and not (op in (ReduceOp.MIN, ReduceOp.MAX)
+                                         and dt.kind == "f"):
         return _MPI_OPS[op]
     ufunc = _UFUNCS[op]
 
@@ -66,7 +73,8 @@ class NativeAllreduce:
     """``MPI_Allreduce`` (in place on the output)."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.comm, self.backend, self.count = req.transport.comm, req.backend, req.count
+        self.transport, self.backend, self.count = req.transport, req.backend, req.count
+        self.comm = req.transport.comm
         self.dt = req.dtype
         self.mpi_op = _mpi_op(self.dt, req.reduction)
 
@@ -74,49 +82,54 @@ class NativeAllreduce:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         if src is not out:
             self.backend.copy_into(out, src)
-        self.comm.Allreduce(MPI.IN_PLACE, _spec(self.backend, out, self.count, self.dt),
-                            self.mpi_op)
+            self.backend.synchronize()  # a device copy must be done before MPI reads out
+        self.transport.collective(self.comm.Allreduce, self.comm.Iallreduce, MPI.IN_PLACE,
+                                  _spec(self.backend, out, self.count, self.dt), self.mpi_op)
 
 
 class NativeReduceScatter:
     """``MPI_Reduce_scatter`` with the blocks of :func:`~.chunks.split_bounds`."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.comm, self.backend, self.counts = req.transport.comm, req.backend, req.counts
-        self.rank = req.transport.rank
+        self.transport, self.backend, self.counts = req.transport, req.backend, req.counts
+        self.comm, self.rank = req.transport.comm, req.transport.rank
         self.dt = req.dtype
         self.mpi_op = _mpi_op(self.dt, req.reduction)
 
     def run(self, src: Any, out: Any) -> None:
         """``out`` = this rank's reduced block of ``src``."""
         total = sum(self.counts)
-        self.comm.Reduce_scatter(_spec(self.backend, src, total, self.dt),
-                                 _spec(self.backend, out, self.counts[self.rank], self.dt),
-                                 self.counts, self.mpi_op)
+        self.transport.collective(self.comm.Reduce_scatter, self.comm.Ireduce_scatter,
+                                  _spec(self.backend, src, total, self.dt),
+                                  _spec(self.backend, out, self.counts[self.rank], self.dt),
+                                  self.counts, self.mpi_op)
 
 
 class NativeAllgather:
     """``MPI_Allgatherv`` of blocks of possibly different lengths."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.comm, self.backend, self.counts = req.transport.comm, req.backend, req.counts
-        self.dt = req.dtype
+        self.transport, self.backend, self.counts = req.transport, req.backend, req.counts
+        self.comm, self.dt = req.transport.comm, req.dtype
         self.displs = [lo for lo, _ in req.chunks]
 
     def run(self, block: Any, out: Any) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         etype = _element_type(self.dt)
-        self.comm.Allgatherv([self.backend.as_bytes(block), block.size, etype],
-                             [self.backend.as_bytes(out), (self.counts, self.displs), etype])
+        self.transport.collective(
+            self.comm.Allgatherv, self.comm.Iallgatherv,
+            [self.backend.as_bytes(block), block.size, etype],
+            [self.backend.as_bytes(out), (self.counts, self.displs), etype])
 
 
 class NativeBroadcast:
     """``MPI_Bcast``."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.comm, self.backend, self.count = req.transport.comm, req.backend, req.count
-        self.root, self.dt = req.root, req.dtype
+        self.transport, self.backend, self.count = req.transport, req.backend, req.count
+        self.comm, self.root, self.dt = req.transport.comm, req.root, req.dtype
 
     def run(self, buf: Any) -> None:
         """Overwrite ``buf`` on every rank with the root's ``buf``."""
-        self.comm.Bcast(_spec(self.backend, buf, self.count, self.dt), self.root)
+        self.transport.collective(self.comm.Bcast, self.comm.Ibcast,
+                                  _spec(self.backend, buf, self.count, self.dt), self.root)

@@ -7,12 +7,19 @@ fetches (or builds once) the algorithm's plan for that shape, runs it on a priva
 duplicate of the communicator, and applies ``prescale_factor``/``postscale_factor``.
 ``Average`` is ``Sum`` followed by a postscale of ``1/size``. :meth:`Communicator._run`
 is the one place where a call is validated and its plan run.
+
+Device arrays (CuPy, torch CUDA tensors, ...) take the same path: every collective
+accepts ``stream=`` (default: the current stream), runs on that stream and the
+array's device, and synchronizes the stream before MPI touches the data and before
+returning (:meth:`~mpitrain.backends.base.ArrayBackend.scope`). Their plans are
+built by the device transfer policy (:attr:`Communicator.cuda_policy`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -22,9 +29,12 @@ from ..algorithms.chunks import bounds_from_counts, split_bounds
 from ..algorithms.shared_memory import offer_block
 from ..backends import NUMPY, ArrayBackend, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
+from ..engine import AsyncCollectives
 from ..errors import ArgumentError
 from ..ops import ReduceOp, parse_op
+from . import objects
 from . import shm as shared
+from .policy import device_policy, policy_for
 from .topology import Topology
 from .transport import Transport
 from .validation import NO_PAYLOAD, Signature, Validator, signature
@@ -35,9 +45,21 @@ SLOT_BYTES = 64 << 10
 """Shared-memory slot per rank: calls up to this size ride the validation exchange."""
 ARENA_BYTES = 8 << 20
 """Shared-memory arena per rank for the stripes of large shm collectives."""
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
-class Communicator:
+def _on_stream(method: _Method) -> _Method:
+    """Run a collective inside its array's backend scope (device and ``stream=``)."""
+
+    @functools.wraps(method)
+    def scoped(self: Communicator, x: Any, *args: Any, **kwargs: Any) -> Any:
+        with backend_for(x).scope(x, kwargs.get("stream")):
+            return method(self, x, *args, **kwargs)
+
+    return cast(_Method, scoped)
+
+
+class Communicator(AsyncCollectives):
     """Collectives over the ranks of an MPI intracommunicator.
 
     Args:
@@ -49,7 +71,9 @@ class Communicator:
 
     Every method is collective: all ranks of the communicator must call it, in the
     same order, with agreeing arguments (checked unless ``check`` is off). A
-    communicator is not thread-safe: call it from one thread at a time.
+    communicator is not thread-safe: call it from one thread at a time. The asynchronous
+    methods (``allreduce_async``, ``grouped_allreduce``, ...) come from
+    :class:`~mpitrain.engine.AsyncCollectives`.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool | None = None,
@@ -62,11 +86,17 @@ class Communicator:
         self.transport = Transport(comm)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.topology = Topology.detect(self.mpi_comm)
+        # Not under ULFM: a rank that dies is only noticed by MPI calls, never by a
+        # shared-memory barrier, which would wait for it forever.
         self.shm = shared.create(self.mpi_comm, self.topology.local_size == self.size,
-                                 config.SHM.get(shared_memory), SLOT_BYTES, ARENA_BYTES)
-        self.validator = Validator(self.mpi_comm, self.shm)
+                                 config.SHM.get(shared_memory) and not config.ELASTIC.get(),
+                                 SLOT_BYTES, ARENA_BYTES)
+        if self.shm is not None:
+            self.transport.watch(self.shm)
+        self.validator = Validator(self.transport, self.shm)
         self._check = check
         self._plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.last_algorithm = ""  # the algorithm of the latest call (shown by the timeline)
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
 
@@ -93,26 +123,35 @@ class Communicator:
 
     @property
     def cross_rank(self) -> int:
-        """Rank among the ranks with the same local rank (the node index)."""
+        """Index of this rank's node (nodes are numbered by their lowest rank)."""
         return self.topology.cross_rank
 
     @property
     def cross_size(self) -> int:
-        """Number of ranks with this local rank (the node count, when balanced)."""
+        """Number of nodes."""
         return self.topology.cross_size
+
+    @property
+    def cuda_policy(self) -> str:
+        """How device buffers reach MPI in this process: ``"cuda-aware"`` (device
+        pointers) or ``"staged"`` (pinned host memory); see :mod:`.policy`."""
+        return device_policy().name
 
     def __repr__(self) -> str:
         return (f"<mpitrain.Communicator rank {self.rank}/{self.size}, local "
                 f"{self.local_rank}/{self.local_size}, cross {self.cross_rank}/{self.cross_size}>")
 
     # -- allreduce --------------------------------------------------------------------
+    @_on_stream
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  out: Array | None = None, name: str | None = None) -> Array:
+                  out: Array | None = None, name: str | None = None, *,
+                  stream: Any = None) -> Array:
         """Reduce ``x`` elementwise over all ranks and return the result on every rank.
 
         Args:
-            x: the array to reduce (numpy; any contiguity: non-contiguous input is copied).
+            x: the array to reduce: numpy, cupy or any CUDA array (torch tensor, ...);
+                any contiguity (non-contiguous input is copied).
             op: ``Sum``, ``Average``, ``Min``, ``Max``, ``Product`` or its name.
             algorithm: ``"auto"`` (default, from ``MPITRAIN_ALGORITHM``), one of
                 ``mpitrain.algorithms.ALGORITHMS["allreduce"]`` (``"ring"``, ``"shm"``,
@@ -120,10 +159,13 @@ class Communicator:
             prescale_factor: multiply each rank's input by this before reducing.
             postscale_factor: multiply the result by this (``Average`` adds ``1/size``).
             out: optional array of ``x``'s shape and dtype that receives the result.
+            stream: for device arrays, the CUDA stream to work on (default: current);
+                ignored for numpy.
             name: optional name of the tensor; validated like the other arguments.
 
         Returns:
-            A new array (or ``out``) with the reduction.
+            A new array (or ``out``) with the reduction; a CuPy array on ``x``'s device
+            for device input.
         """
         be, arr = _array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
@@ -138,15 +180,18 @@ class Communicator:
                              prescale_factor, postscale_factor, name, arr.shape)
         return result
 
+    @_on_stream
     def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                    algorithm: str | None = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0, name: str | None = None) -> Array:
+                   postscale_factor: float = 1.0, name: str | None = None, *,
+                   stream: Any = None) -> Array:
         """In-place :meth:`allreduce`: ``x`` is overwritten with the result and returned.
 
-        A non-contiguous ``x`` is reduced through a contiguous copy written back.
+        A non-contiguous ``x`` is reduced through a contiguous copy written back. A
+        torch CUDA tensor is written in place through a zero-copy CuPy view.
         """
         be, arr = _array(x)
-        if arr is not x and not isinstance(x, type(arr)):
+        if not be.writes_through(arr, x):
             raise ArgumentError(f"rank {self.rank}: allreduce_ needs an array to write into, "
                                 f"got {type(x).__name__}; use allreduce() instead")
         rop = op if type(op) is ReduceOp else parse_op(op)
@@ -171,25 +216,25 @@ class Communicator:
         n = self.size
         scale = postscale / n if op is ReduceOp.AVERAGE else postscale
         if prescale != 1.0:
-            if src is not out:
-                be.copy_into(out, src)
-                src = out
-            be.scale(out, prescale)
+            be.scale_into(out, src, prescale)  # one pass: copy and prescale
+            src = out
         count = src.size
         alg = self._algorithm("allreduce", algorithm, count * dt.itemsize, be, dt)
         if n == 1:
-            if src is not out:
-                be.copy_into(out, src)
+            be.scale_into(out, src, scale)
         else:
+            self.transport.begin("allreduce")
             sig = signature("allreduce", op.value, dtype_name(dt), shape or (count,), False, -1,
                             prescale, postscale, name or "", alg) if self._checking() else None
-            self._run("allreduce", alg, be, dt, op.reduction, (count,), 0, sig, src, out)
-        be.scale(out, scale)
+            self._run("allreduce", alg, be, dt, op.reduction, (count,), 0, sig, src, out,
+                      postscale=scale)
 
     # -- reduce-scatter ---------------------------------------------------------------
+    @_on_stream
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                        algorithm: str | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, name: str | None = None) -> Array:
+                       postscale_factor: float = 1.0, name: str | None = None, *,
+                       stream: Any = None) -> Array:
         """Reduce ``x`` over ranks and return this rank's block of axis 0.
 
         Blocks are those of ``np.array_split(x, size)``: with ``d`` rows, the first
@@ -197,7 +242,7 @@ class Communicator:
 
         Args:
             x: array with at least one dimension, same shape on every rank.
-            op, algorithm, prescale_factor, postscale_factor, name: as for
+            op, algorithm, prescale_factor, postscale_factor, name, stream: as for
                 :meth:`allreduce`.
 
         Returns:
@@ -217,28 +262,31 @@ class Communicator:
         src = be.flat(be.ascontiguous(arr))
         scale = postscale_factor / n if rop is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
-            src = src.copy()
-            be.scale(src, prescale_factor)
+            scaled = be.empty(src.size, dt)
+            be.scale_into(scaled, src, prescale_factor)
+            src = scaled
         alg = self._algorithm("reduce_scatter", algorithm, count * dt.itemsize, be, dt)
         if n == 1:
-            be.copy_into(result, src)
+            be.scale_into(result, src, scale)
         else:
+            self.transport.begin("reduce_scatter")
             sig = signature("reduce_scatter", rop.value, dtype_name(dt), arr.shape, False, -1,
                             prescale_factor, postscale_factor, name or "", alg) \
                 if self._checking() else None
             self._run("reduce_scatter", alg, be, dt, rop.reduction, (count, row), 0, sig,
-                      src, result)
-        be.scale(result, scale)
+                      src, result, postscale=scale)
         return result.reshape((mine, *tuple(arr.shape[1:])))
 
     # -- allgather --------------------------------------------------------------------
-    def allgather(self, x: Array, algorithm: str | None = None,
-                  name: str | None = None) -> Array:
+    @_on_stream
+    def allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
+                  stream: Any = None) -> Array:
         """Concatenate every rank's ``x`` along axis 0.
 
         Axis 0 may differ between ranks; the other axes and the dtype must agree (a
         disagreement raises :class:`~mpitrain.MismatchError` on every rank). The row
         counts travel in the validation exchange, which allgather always makes.
+        ``stream`` is as for :meth:`allreduce`.
 
         Returns:
             A new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
@@ -253,6 +301,7 @@ class Communicator:
             self._algorithm("allgather", algorithm, block.size * dt.itemsize, be, dt)
             return be.ascontiguous(arr).copy()
         requested = (algorithm or config.ALGORITHM.get()).lower()
+        self.transport.begin("allgather")
         sig = signature("allgather", "", dtype_name(dt), trailing, True, -1, 1.0, 1.0, name or "",
                         requested)
         payload = offer_block(self.shm, be.as_bytes(block)) \
@@ -267,11 +316,13 @@ class Communicator:
         return out.reshape((sum(rows), *trailing))
 
     # -- broadcast --------------------------------------------------------------------
+    @_on_stream
     def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None,
-                  name: str | None = None) -> Array:
+                  name: str | None = None, *, stream: Any = None) -> Array:
         """Return a copy of the root's ``x`` on every rank.
 
-        On other ranks ``x`` only gives the shape and dtype (like Horovod).
+        On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
+        is as for :meth:`allreduce`.
         """
         be, arr = _array(x)
         out = be.empty(arr.size, check_dtype(arr.dtype, rank=self.rank)).reshape(arr.shape)
@@ -279,8 +330,9 @@ class Communicator:
             be.copy_into(out, arr)
         return self._broadcast_inplace(be, out, root, algorithm, name)
 
+    @_on_stream
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
-                   name: str | None = None) -> Array:
+                   name: str | None = None, *, stream: Any = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
         be, arr = _array(x)
         check_dtype(arr.dtype, rank=self.rank)
@@ -298,6 +350,7 @@ class Communicator:
         alg = self._algorithm("broadcast", algorithm, count * dt.itemsize, be, dt)
         if self.size == 1:
             return buf
+        self.transport.begin("broadcast")
         sig = signature("broadcast", "", dtype_name(dt), buf.shape, False, int(root), 1.0, 1.0,
                         name or "", alg) if self._checking() else None
         self._run("broadcast", alg, be, dt, None, (count,), int(root), sig, be.flat(buf))
@@ -308,27 +361,35 @@ class Communicator:
         """Block until every rank has called :meth:`barrier`."""
         if self.size == 1:
             return
+        self.transport.begin("barrier")
         checking = self._checking()
         if checking or self.shm is not None:  # the exchange is itself a barrier
             self.validator.exchange(signature("barrier") if checking else None)
         else:
-            self.mpi_comm.Barrier()
+            self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
         self._check_root(root)
+        self.transport.begin("broadcast_object")
         if self.size > 1 and self._checking():
             self.validator.check(signature("broadcast_object", root=int(root)))
-        return self.mpi_comm.bcast(obj, root=root)
+        return objects.broadcast_object(self.transport, obj, root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's ``obj``, in rank order."""
+        self.transport.begin("allgather_object")
         if self.size > 1 and self._checking():
             self.validator.check(signature("allgather_object"))
-        return self.mpi_comm.allgather(obj)
+        return objects.allgather_object(self.transport, obj)
 
     def free(self) -> None:
-        """Release the communicator's private MPI resources (collective)."""
+        """Release the communicator's private MPI resources (collective).
+
+        Stops the async engine first: operations every rank submitted are finished,
+        the others fail.
+        """
+        self._stop_async_engine()
         self._plans.clear()
         if self.shm is not None:
             self.shm.free()
@@ -402,6 +463,7 @@ class Communicator:
             if len(self._choices) >= 1024:
                 self._choices.clear()
             self._choices[key] = choice
+        self.last_algorithm = choice
         return choice
 
     def _choose(self, collective: str, name: str, from_env: bool, nbytes: int,
@@ -412,7 +474,7 @@ class Communicator:
             return name
         if name == "auto" or (from_env and name in algorithms.KNOWN):
             return algorithms.select(collective, nbytes, self.size, be.name, available,
-                                     dtype_name(dt))
+                                     dtype_name(dt), self.topology.node_count)
         if name in algorithms.ALGORITHMS[collective]:
             raise ArgumentError(f"rank {self.rank}: the {name} {collective} needs every rank "
                                 "on one node and host (numpy) buffers; use algorithm='auto'")
@@ -421,8 +483,8 @@ class Communicator:
 
     def _run(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
              op: ReduceOp | None, shape: tuple[int, ...], root: int, sig: Signature | None,
-             *buffers: Array) -> None:
-        """Validate the call (``sig``; ``None``: not here) and run its plan.
+             *buffers: Array, postscale: float = 1.0) -> None:
+        """Validate the call (``sig``; ``None``: not here), run its plan, postscale.
 
         The one place where data moves: the plan of ``name`` for this call's ``shape``
         key (allreduce and broadcast: ``(count,)``; reduce_scatter: ``(count, row)``;
@@ -431,16 +493,23 @@ class Communicator:
         plan = self._plan(collective, name, be, dt, op, shape, root)
         if getattr(plan, "fuses_check", False):
             plan.run(*buffers, sig)
-            return
-        if sig is not None:
-            self.validator.check(sig)
-        plan.run(*buffers)
+        else:
+            if sig is not None:
+                self.validator.check(sig)
+            if getattr(plan, "fuses_postscale", False):
+                plan.run(*buffers, postscale)
+                return
+            plan.run(*buffers)
+        be.scale(buffers[-1], postscale)
 
     def _plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
               op: ReduceOp | None, shape: tuple[int, ...], root: int = 0) -> Any:
         """The cached plan of ``name`` for this call's shape, built on first use."""
         configured = config.SEGMENT_BYTES.get()
-        key = (collective, name, be.name, dt, op, shape, root, configured)
+        policy = policy_for(be)
+        key = (collective, name, be.name, be.device_id(), policy.name, dt, op, shape, root,
+               configured,
+               config.INTER_SEGMENT_BYTES.get())
         plan = self._plans.get(key)
         if plan is None:
             if collective == "allgather":
@@ -450,7 +519,7 @@ class Communicator:
             request = algorithms.PlanRequest(self.transport, self.topology, be, dt, op,
                                              tuple(chunks), root, configured, self.shm,
                                              self.validator)
-            plan = algorithms.build(collective, name, request)
+            plan = policy.build(collective, name, request)
             self._plans[key] = plan
             if len(self._plans) > _PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)

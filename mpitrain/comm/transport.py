@@ -3,16 +3,81 @@
 A :class:`Transport` owns a private duplicate of the user's communicator, so that
 mpitrain's messages can never match a message of the user's (or of another
 mpitrain communicator). Algorithms only post non-blocking sends and receives of
-raw bytes to ranks of this communicator and wait for them.
+raw bytes to ranks of this communicator and wait for them, and run native MPI
+collectives through :meth:`Transport.collective`.
+
+Every wait goes through :meth:`Transport.wait`/:meth:`Transport.waitall` (or the
+blocking :meth:`Transport.collective`, :meth:`Transport.send`, :meth:`Transport.recv`),
+which raise the ``waiting`` flag that the stall inspector (:mod:`.inspector`) watches;
+barriers of shared memory report to :meth:`Transport.watch`'s hook instead. By default
+they block inside MPI (nothing is added to the fast path but the flag). With a stall
+timeout and ``MPITRAIN_STALL_ACTION=raise`` the transport is *interruptible*: waits
+poll ``Test`` (spinning first, then sleeping a little), native collectives use their
+non-blocking variants, and past the timeout the waiting rank raises
+:class:`~mpitrain.StallError`. The interrupted collective's messages stay in flight,
+so the transport is then *broken*: every later collective raises at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from mpi4py import MPI
 
+from ..errors import StallError
+from .inspector import Inspector, abort, warn
+
+if TYPE_CHECKING:
+    from .shm import SharedMemory
+
 Request = MPI.Request
+
+_SPIN_S = 0.002
+"""An interruptible wait spins on Test this long before it starts to sleep."""
+_MAX_PAUSE_S = 0.005
+"""Longest sleep between two Tests of an interruptible wait."""
+
+
+class PeerTransport(Protocol):
+    """What an algorithm may use: its ring neighbours and non-blocking byte messages.
+
+    :class:`Transport` is the host one; :mod:`.staging` has the device ones.
+    """
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    left: int
+    right: int
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        """Start sending ``buf``; returns a request with ``Wait()``."""
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        """Start receiving into ``buf``; returns a request with ``Wait()``."""
+
+    def forward(self, request: Any, buf: Any, dest: int, tag: int) -> Any:
+        """Send on what the waited receive ``request`` wrote into ``buf``."""
+
+    def wait(self, request: Any) -> None:
+        """Wait for one request."""
+
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+
+    def waitall(self, requests: Sequence[Any]) -> None:
+        """Wait for every request that is not ``None``."""
+
+    def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
+                   *args: Any) -> None:
+        """Run a native MPI collective on the private communicator."""
 
 
 class Transport:
@@ -28,30 +93,149 @@ class Transport:
         self.size: int = self.comm.Get_size()
         self.right: int = (self.rank + 1) % self.size
         self.left: int = (self.rank - 1) % self.size
+        # What the stall inspector serves to the other ranks.
+        self.seq = 0
+        self.current = ""
+        self.waiting = False
+        self.broken: str | None = None
+        self.inspector = Inspector(self)
+        self.interruptible = self.inspector.raises
+        # Requests of the current collective, kept alive (with their buffers) after a stall.
+        self.inflight: list[Request] = []
         # Bound methods: the hot loops call these without attribute lookups on MPI.
-        self.isend = self.comm.Isend
-        self.irecv = self.comm.Irecv
+        self.isend: Callable[..., Request] = self.comm.Isend
+        self.irecv: Callable[..., Request] = self.comm.Irecv
+        if self.interruptible:
+            self.isend = self._tracked(self.comm.Isend)
+            self.irecv = self._tracked(self.comm.Irecv)
 
-    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
-        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
-        self.comm.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
+    def begin(self, collective: str) -> None:
+        """Count a new collective named ``collective``; raise if the transport is broken."""
+        if self.broken is not None:
+            raise StallError(f"rank {self.rank}: {collective} called on a communicator that an "
+                             f"earlier stall left unusable ({self.broken}); create a new "
+                             "mpitrain.Communicator on every rank")
+        self.seq += 1
+        self.current = collective
+        if self.inflight:
+            self.inflight.clear()
+
+    def forward(self, request: Request, buf: Any, dest: int, tag: int) -> Request:
+        """Send on what the completed receive ``request`` wrote into ``buf``."""
+        return self.isend(buf, dest, tag)
+
+    def wait(self, request: Request) -> None:
+        """Wait for one request."""
+        self.waiting = True
+        try:
+            if self.interruptible:
+                self._poll(request.Test)
+            else:
+                request.Wait()
+        finally:
+            self.waiting = False
 
     def send(self, buf: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of ``buf`` to ``dest``."""
-        self.comm.Send(buf, dest, tag)
+        self.collective(self.comm.Send, self.comm.Isend, buf, dest, tag)
 
     def recv(self, buf: Any, source: int, tag: int = 0) -> None:
         """Blocking receive into ``buf`` from ``source``."""
-        self.comm.Recv(buf, source, tag)
+        self.collective(self.comm.Recv, self.comm.Irecv, buf, source, tag)
 
-    @staticmethod
-    def waitall(requests: Sequence[Request | None]) -> None:
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.collective(self.comm.Sendrecv, self.comm.Isendrecv, sendbuf, dest, tag, recvbuf,
+                        source, tag)
+
+    def waitall(self, requests: Sequence[Request | None]) -> None:
         """Wait for every request that is not ``None``."""
         live = [r for r in requests if r is not None]
-        if live:
-            MPI.Request.Waitall(live)
+        if not live:
+            return
+        self.waiting = True
+        try:
+            if self.interruptible:
+                self._poll(lambda: MPI.Request.Testall(live))
+            else:
+                MPI.Request.Waitall(live)
+        finally:
+            self.waiting = False
+
+    def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Request],
+                   *args: Any) -> None:
+        """Run a blocking MPI call: ``collective(comm.Bcast, comm.Ibcast, buf, 0)``.
+
+        The blocking variant is faster for small messages (Open MPI's non-blocking
+        collectives are a separate, slower implementation); an interruptible transport
+        uses the non-blocking one so that a stall can raise.
+        """
+        if self.interruptible:
+            self.wait(self._track(nonblocking(*args)))
+            return
+        self.waiting = True
+        try:
+            blocking(*args)
+        finally:
+            self.waiting = False
+
+    def watch(self, shm: SharedMemory) -> None:
+        """Report stalls in the barriers of ``shm``, which spin on memory, not in MPI."""
+        limits = [s for s in (self.inspector.warning_s, self.inspector.timeout_s) if s > 0]
+        if limits:
+            shm.stall_seconds = min(limits) / 4
+            shm.stall_hook = self._shm_stalled
+            self._shm_seq, self._shm_since, self._shm_warned = -1, 0.0, False
+
+    def _shm_stalled(self, waited: float, missing: list[int]) -> None:
+        """``shm``'s hook: ``waited`` s more in a barrier that ``missing`` have not reached."""
+        now = time.monotonic()
+        if self._shm_seq != self.seq:
+            self._shm_seq, self._shm_since, self._shm_warned = self.seq, now - waited, False
+        total = now - self._shm_since
+        ins = self.inspector
+        if ins.timeout_s and total >= ins.timeout_s:
+            if ins.action == "abort":
+                abort(ins.report(self.current, self.seq, total))
+            raise self._stall(total)
+        if ins.warning_s and total >= ins.warning_s and not self._shm_warned:
+            self._shm_warned = True
+            warn(ins.report(self.current, self.seq, total))
 
     def free(self) -> None:
         """Release the private communicator (collective)."""
-        if self.comm != MPI.COMM_NULL:
+        self.inspector.close()
+        if self.comm != MPI.COMM_NULL and self.broken is None:
             self.comm.Free()
+
+    # -- interruptible mode -------------------------------------------------------------
+    def _track(self, request: Request) -> Request:
+        self.inflight.append(request)
+        return request
+
+    def _tracked(self, post: Callable[..., Request]) -> Callable[..., Request]:
+        def tracked(*args: Any) -> Request:
+            request = post(*args)
+            self.inflight.append(request)
+            return request
+        return tracked
+
+    def _poll(self, test: Callable[[], bool]) -> None:
+        """Test until done; past the stall timeout, break the transport and raise."""
+        start = time.monotonic()
+        pause = 0.0
+        while not test():
+            waited = time.monotonic() - start
+            if waited >= self.inspector.timeout_s:
+                raise self._stall(waited)
+            if waited > _SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause + 1e-5, _MAX_PAUSE_S)
+
+    def _stall(self, waited: float) -> StallError:
+        self.broken = self.inspector.report(self.current, self.seq, waited)
+        return StallError(f"{self.broken}. This communicator is now unusable: messages of the "
+                       "interrupted collective may still be in flight, and every later call on "
+                       "it raises StallError. Create a new mpitrain.Communicator (or call "
+                       "mpitrain.shutdown() and mpitrain.init()) on every rank to go on; raise "
+                       "MPITRAIN_STALL_TIMEOUT_S if the other ranks are only slow.")

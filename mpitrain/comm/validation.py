@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from ..errors import MismatchError
 from .shm import FP, HEADER_WORDS, PAYLOAD, ROWS, SharedMemory
+from .transport import Transport
 
 NO_PAYLOAD = -1
 _FP_MASK = (1 << 63) - 1
@@ -115,13 +115,13 @@ class Validator:
     """The header exchange that starts every collective (collective to create).
 
     Args:
-        comm: the private communicator.
+        transport: the private communicator's transport (MPI exchanges wait through it).
         shm: the node's shared memory, or ``None`` to exchange with MPI.
     """
 
-    def __init__(self, comm: MPI.Intracomm, shm: SharedMemory | None) -> None:
-        self.comm, self.shm = comm, shm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+    def __init__(self, transport: Transport, shm: SharedMemory | None) -> None:
+        self.transport, self.comm, self.shm = transport, transport.comm, shm
+        self.rank, self.size = transport.rank, transport.size
         self._mine = np.zeros(HEADER_WORDS, np.int64)
         self._table = np.zeros((self.size, HEADER_WORDS), np.int64)
         self.parity = 0
@@ -157,7 +157,7 @@ class Validator:
             return p
         mine = self._mine
         mine[FP], mine[ROWS], mine[PAYLOAD] = fp, rows, payload
-        self.comm.Allgather(mine, self._table)
+        self.transport.collective(self.comm.Allgather, self.comm.Iallgather, mine, self._table)
         if sig is not None:
             column = self._table[:, FP]
             if column.min() != column.max():

@@ -20,10 +20,10 @@ import mpitrain as mt
 
 
 @pytest.fixture(scope="module", params=["shm", "mpi"])
-def vcomm(request: pytest.FixtureRequest, comm: mt.Communicator) -> Iterator[mt.Communicator]:
+def vcomm(request: pytest.FixtureRequest) -> Iterator[mt.Communicator]:
     """The default communicator, then one that validates through MPI_Allgather."""
     if request.param == "shm":
-        yield comm
+        yield mt.init()
         return
     other = mt.Communicator(MPI.COMM_WORLD, shared_memory=False)
     yield other

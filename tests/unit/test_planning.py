@@ -126,3 +126,29 @@ def test_not_initialized_message() -> None:
             mpitrain.rank()
     finally:
         mpitrain._default = saved
+
+
+def test_selection_by_node_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+    avail = ("ring", "mpi", "hierarchical")
+    for nbytes in (4, 1 << 20, 64 << 20):  # one node: the single-node table, unchanged
+        assert selection.select("allreduce", nbytes, 4, "numpy", avail, nodes=1) == \
+            selection.select("allreduce", nbytes, 4, "numpy", ("ring", "mpi"))
+    assert selection.select("allreduce", 64 << 20, 4, "numpy", avail, nodes=2) == "hierarchical"
+    assert selection.select("allreduce", 4, 4, "numpy", avail, nodes=2) == "mpi"
+    rule = selection.Rule("allreduce", "hierarchical", min_nodes=3)
+    assert not rule.matches("allreduce", 1, 6, "numpy", nodes=2)
+    assert rule.matches("allreduce", 1, 6, "numpy", nodes=3)
+
+
+def test_inter_node_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpitrain.algorithms.hierarchical import inter_segment_bytes
+
+    monkeypatch.delenv("MPITRAIN_INTER_SEGMENT_BYTES", raising=False)
+    assert inter_segment_bytes(0) == 60 << 10           # whole chunks: capped for TCP eager
+    assert inter_segment_bytes(1 << 20) == 60 << 10
+    assert inter_segment_bytes(24) == 24                # a smaller general setting wins
+    monkeypatch.setenv("MPITRAIN_INTER_SEGMENT_BYTES", "0")
+    assert inter_segment_bytes(1 << 20) == 1 << 20
+    monkeypatch.setenv("MPITRAIN_INTER_SEGMENT_BYTES", "1M")
+    assert inter_segment_bytes(0) == 1 << 20

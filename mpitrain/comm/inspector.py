@@ -1,0 +1,335 @@
+"""The stall inspector: which ranks have not arrived at a collective.
+
+Every :class:`~.transport.Transport` counts the collectives it has begun (``seq``),
+names the current one (``current``) and raises its ``waiting`` flag while it blocks on
+MPI. One daemon thread per process (:class:`_Server`) ticks every :data:`TICK_S` and,
+for each transport's :class:`Inspector`:
+
+* *serves*: answers the queries of other ranks, which arrive on the inspector's own
+  duplicate of the communicator (so they never match collective traffic), with this
+  rank's ``(seq, waiting, current)``;
+* *watches*: when the transport has been waiting in the same collective for
+  ``MPITRAIN_STALL_WARNING_S``, it *surveys* every other rank and logs a warning that
+  names the collective and the ranks whose ``seq`` is smaller, i.e. that have not
+  called it yet; past ``MPITRAIN_STALL_TIMEOUT_S`` with ``MPITRAIN_STALL_ACTION=abort`` it
+  aborts the job with that message. (With ``raise`` the waiting thread raises
+  :class:`~mpitrain.StallError` itself, see :meth:`.Transport.wait`, after asking the
+  daemon for a survey through :meth:`Inspector.survey`.)
+
+The daemon never blocks in MPI: it posts non-blocking messages, tests them and sleeps
+between ticks, so it costs no CPU while nothing stalls. It needs
+``MPI.THREAD_MULTIPLE`` (mpi4py's default); at a lower thread level there is no
+daemon, hence no warning, and a StallError cannot name the missing ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import config
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+log = logging.getLogger("mpitrain")
+
+TICK_S = 0.02
+"""How often the daemon serves queries and checks for stalls."""
+SURVEY_S = 2.0
+"""How long a survey waits for the other ranks' replies."""
+QUERY_TAG, REPLY_TAG = 1, 2
+_REPLY = struct.Struct("<qqq104s")  # query id, seq, waiting, collective name
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What one rank answered to a survey (``seq`` is None if it did not answer)."""
+
+    rank: int
+    seq: int | None
+    waiting: bool = False
+    collective: str = ""
+
+
+def describe(rank: int, collective: str, seq: int, waited: float,
+             peers: list[PeerState] | None, blind: str = "") -> str:
+    """The stall report of ``rank``: who has not arrived at its collective ``seq``.
+
+    ``peers`` is None when no survey could be made, for the reason ``blind``.
+    """
+    head = (f"rank {rank}: {collective} (collective #{seq} on this communicator) has "
+            f"waited {waited:.1f} s")
+    if peers is None:
+        return head + f" for other ranks; which ones have not arrived is unknown ({blind})"
+    late = [p for p in peers if p.seq is not None and p.seq < seq]
+    other = [p for p in peers if p.seq == seq and p.collective != collective]
+    silent = [p.rank for p in peers if p.seq is None]
+    parts = []
+    if late:
+        where = "; ".join(f"rank {p.rank} is at #{p.seq} {p.collective or '(none)'}"
+                          f"{' (waiting)' if p.waiting else ''}" for p in late)
+        parts.append(f"{_ranks([p.rank for p in late])} not called it ({where})")
+    if other:
+        parts.append("; ".join(f"rank {p.rank} called {p.collective} as #{seq} instead"
+                               for p in other))
+    if silent:
+        parts.append(f"{_ranks(silent)} not answered within "
+                     f"{SURVEY_S:.0f} s (busy outside Python, or dead)")
+    if not parts:
+        parts.append("every rank has called it (a slow network, or a hang inside MPI)")
+    return head + ": " + "; ".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 2 has`` or ``ranks 1, 3 have``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    return f"ranks {', '.join(str(r) for r in ranks)} have"
+
+
+class Survey:
+    """One round of queries to every other rank; ``done`` is set when it is over."""
+
+    def __init__(self, on_done: Callable[[list[PeerState]], None] | None = None) -> None:
+        self.qid = 0
+        self.deadline = 0.0
+        self.replies: dict[int, PeerState] = {}
+        self.result: list[PeerState] = []
+        self.on_done = on_done
+        self.done = threading.Event()
+
+
+class Inspector:
+    """The stall state of one transport, served to the other ranks by the daemon.
+
+    Args:
+        transport: the transport whose ``seq``, ``current`` and ``waiting`` are served.
+
+    Reads ``MPITRAIN_STALL_WARNING_S``, ``MPITRAIN_STALL_TIMEOUT_S`` and
+    ``MPITRAIN_STALL_ACTION`` once, here.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.warning_s = config.STALL_WARNING_S.get()
+        self.timeout_s = config.STALL_TIMEOUT_S.get()
+        self.action = config.STALL_ACTION.get()
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        self.comm: MPI.Intracomm | None = None
+        self.stopped = ""  # why the daemon stopped serving this inspector
+        if self.peers and (self.warning_s or self.timeout_s) and _SERVER.available():
+            self.comm = transport.comm.Dup()
+            self._query = np.zeros(1, np.int64)
+            self._query_req = self.comm.Irecv(self._query, MPI.ANY_SOURCE, QUERY_TAG)
+            self._status = MPI.Status()
+            self._sends: list[MPI.Request] = []
+            self._reply_bufs = {p: bytearray(_REPLY.size) for p in self.peers}
+            self._reply_reqs: dict[int, MPI.Request | None] = dict.fromkeys(self.peers)
+            self._qid = 0
+            self._survey: Survey | None = None
+            self._queue: list[Survey] = []
+            self._watch_seq = -1
+            self._watch_since = 0.0
+            self._warned = self._aborting = False
+            _SERVER.add(self)
+
+    @property
+    def raises(self) -> bool:
+        """True if a stall past the timeout raises StallError in the waiting thread."""
+        return self.timeout_s > 0 and self.action == "raise"
+
+    # -- the main thread's side ---------------------------------------------------------
+    def survey(self) -> list[PeerState] | None:
+        """Ask every other rank where it is; None if no daemon serves this inspector."""
+        if self.comm is None or self.stopped or not _SERVER.running():
+            return None
+        survey = Survey()
+        self._queue.append(survey)
+        survey.done.wait(SURVEY_S + 1.0)
+        return survey.result if survey.done.is_set() else None
+
+    def report(self, collective: str, seq: int, waited: float) -> str:
+        """:func:`describe` of this rank's stall, with a fresh survey."""
+        peers = self.survey()
+        blind = (f"the stall inspector stopped: {self.stopped}" if self.stopped else
+                 "the stall inspector needs MPI.THREAD_MULTIPLE" if self.comm is None else
+                 "the survey did not finish")
+        return describe(self.rank, collective, seq, waited, peers, blind)
+
+    def close(self, free: bool = True) -> None:
+        """Stop serving and (if ``free``) release the inspector communicator."""
+        if self.comm is None:
+            return
+        _SERVER.remove(self)
+        self._cancel()
+        if free:
+            with contextlib.suppress(MPI.Exception):  # revoked, or a failed peer
+                self.comm.Free()
+        self.comm = None
+
+    def _cancel(self) -> None:
+        """Cancel this inspector's receives (tolerating a failed or revoked peer)."""
+        for req in [self._query_req, *self._reply_reqs.values()]:
+            if req:
+                try:
+                    req.Cancel()
+                    req.Wait()
+                except MPI.Exception:
+                    pass
+        for survey in [self._survey, *self._queue]:
+            if survey is not None:
+                survey.done.set()
+
+    # -- the daemon's side -------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Serve queries, watch for a stall, progress the current survey."""
+        self._serve()
+        self._watch(now)
+        self._progress(now)
+
+    def _serve(self) -> None:
+        assert self.comm is not None
+        t = self.transport
+        while self._query_req.Test(self._status):
+            reply = _REPLY.pack(int(self._query[0]), t.seq, int(t.waiting),
+                                t.current.encode()[:104])
+            self._sends.append(self.comm.Isend(reply, self._status.Get_source(), REPLY_TAG))
+            self._query_req = self.comm.Irecv(self._query, MPI.ANY_SOURCE, QUERY_TAG)
+        self._sends = [r for r in self._sends if not r.Test()]
+
+    def _watch(self, now: float) -> None:
+        t = self.transport
+        if not t.waiting:
+            self._watch_seq = -1
+            return
+        if t.seq != self._watch_seq:
+            self._watch_seq, self._watch_since = t.seq, now
+            self._warned = self._aborting = False
+            return
+        waited = now - self._watch_since
+        seq, collective = t.seq, t.current
+        if self.warning_s and not self._warned and waited >= self.warning_s:
+            self._warned = True
+            self._queue.append(Survey(lambda peers: warn(
+                describe(self.rank, collective, seq, waited, peers))))
+        if (self.timeout_s and self.action == "abort" and not self._aborting
+                and waited >= self.timeout_s):
+            self._aborting = True
+            self._queue.append(Survey(lambda peers: abort(
+                describe(self.rank, collective, seq, waited, peers))))
+
+    def _progress(self, now: float) -> None:
+        assert self.comm is not None
+        survey = self._survey
+        if survey is None:
+            if not self._queue:
+                return
+            survey = self._survey = self._queue.pop(0)
+            self._qid += 1
+            survey.qid, survey.deadline = self._qid, now + SURVEY_S
+            for peer in self.peers:
+                self._sends.append(self.comm.Isend(np.array([self._qid], np.int64), peer,
+                                                   QUERY_TAG))
+        for peer, req in self._reply_reqs.items():
+            if req is not None and req.Test():
+                self._reply_reqs[peer] = None
+                qid, seq, waiting, name = _REPLY.unpack(self._reply_bufs[peer])
+                if qid == survey.qid:
+                    survey.replies[peer] = PeerState(peer, seq, bool(waiting),
+                                                     name.rstrip(b"\0").decode(errors="replace"))
+        for peer in self.peers:
+            if peer not in survey.replies and self._reply_reqs[peer] is None:
+                self._reply_reqs[peer] = self.comm.Irecv(self._reply_bufs[peer], peer,
+                                                         REPLY_TAG)
+        if len(survey.replies) == len(self.peers) or now >= survey.deadline:
+            survey.result = [survey.replies.get(p, PeerState(p, None)) for p in self.peers]
+            self._survey = None
+            survey.done.set()
+            if survey.on_done is not None:
+                survey.on_done(survey.result)
+
+
+def warn(report: str) -> None:
+    """Log the stall report of :func:`describe` as a warning."""
+    log.warning("mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
+                "mpitrain.StallError.", report)
+
+
+def abort(message: str) -> None:
+    """MPITRAIN_STALL_ACTION=abort: print the stall report and end the whole job."""
+    sys.stderr.write(f"mpitrain {message}; aborting the job (MPITRAIN_STALL_ACTION=abort)\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+class _Server:
+    """The daemon thread that ticks every live inspector of this process."""
+
+    def __init__(self) -> None:
+        self.inspectors: list[Inspector] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def available(self) -> bool:
+        """True if a daemon may call MPI concurrently with the main thread."""
+        return (not self.stopping.is_set() and MPI.Is_initialized()
+                and not MPI.Is_finalized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+    def running(self) -> bool:
+        """True while the daemon thread is alive."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def add(self, inspector: Inspector) -> None:
+        """Serve ``inspector`` from the next tick on (starts the daemon on first use)."""
+        with self.lock:
+            self.inspectors.append(inspector)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="mpitrain-inspector",
+                                               daemon=True)
+                self.thread.start()
+
+    def remove(self, inspector: Inspector) -> None:
+        """Stop serving ``inspector`` (waits for a tick in progress)."""
+        with self.lock:
+            if inspector in self.inspectors:
+                self.inspectors.remove(inspector)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(TICK_S):
+            with self.lock:
+                now = time.monotonic()
+                for inspector in list(self.inspectors):
+                    try:
+                        inspector.tick(now)
+                    except MPI.Exception as exc:  # a failed peer (ULFM) or a revoked comm
+                        log.debug("mpitrain stall inspector of rank %d stops: %s",
+                                  inspector.rank, exc)
+                        inspector.stopped = str(exc)
+                        self.inspectors.remove(inspector)
+
+    def stop(self) -> None:
+        """Stop the daemon and cancel its receives (before MPI is finalized)."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=1.0)
+        with self.lock:
+            for inspector in self.inspectors:
+                inspector._cancel()
+            self.inspectors.clear()
+
+
+_SERVER = _Server()
+atexit.register(_SERVER.stop)  # runs before mpi4py finalizes MPI

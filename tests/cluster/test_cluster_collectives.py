@@ -1,0 +1,102 @@
+"""Every collective x algorithm x dtype x op across emulated hosts, against references.
+
+Sizes: empty, one element, fewer elements than ranks, and not divisible by any rank
+or node count; larger sizes for a few dtypes, and tiny pipeline segments to reach the
+segmented paths with small buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import (
+    DTYPES,
+    Checks,
+    assert_all_ranks,
+    assert_equal_all_ranks,
+    check_allgather,
+    check_allreduce,
+    check_reduce_scatter,
+    crafted,
+    ops_for,
+    reference,
+)
+
+import mpitrain as mt
+from mpitrain.algorithms import ALGORITHMS
+from mpitrain.backends import NUMPY
+
+CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
+IDS = [f"{d}-{o.value}" for d, o in CASES]
+
+
+def counts(comm: mt.Communicator) -> list[int]:
+    return sorted({0, 1, max(comm.size - 1, 0), 1001})
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS["allreduce"]))
+@pytest.mark.parametrize("dtype,op", CASES, ids=IDS)
+def test_allreduce(comm: mt.Communicator, algorithm: str, dtype: str, op: mt.ReduceOp) -> None:
+    check_allreduce(comm, algorithm, dtype, op, counts(comm))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS["reduce_scatter"]))
+@pytest.mark.parametrize("dtype,op", CASES, ids=IDS)
+def test_reduce_scatter(comm: mt.Communicator, algorithm: str, dtype: str,
+                        op: mt.ReduceOp) -> None:
+    check_reduce_scatter(comm, algorithm, dtype, op, counts(comm))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS["allgather"]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather(comm: mt.Communicator, algorithm: str, dtype: str) -> None:
+    check_allgather(comm, algorithm, dtype, counts(comm))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS["allreduce"])
+def test_large(comm: mt.Communicator, algorithm: str) -> None:
+    for dtype, op in (("float32", mt.Sum), ("bfloat16", mt.Max), ("int64", mt.Product)):
+        check_allreduce(comm, algorithm, dtype, op, [300_007])
+        check_reduce_scatter(comm, algorithm, dtype, op, [100_003])
+        check_allgather(comm, algorithm, dtype, [50_001])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast(comm: mt.Communicator, dtype: str) -> None:
+    checks = Checks(comm)
+    for root in range(comm.size):
+        x = crafted(comm.rank, 1001, dtype, mt.Sum)
+        checks.equal(comm.broadcast(x, root=root), crafted(root, 1001, dtype, mt.Sum),
+                     f"broadcast root={root}")
+    checks.verdict()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hierarchical_segmented(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+    """Tiny pipeline segments: many segments in every phase, intra- and inter-node."""
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "40")
+    check_allreduce(comm, "hierarchical", "float32", mt.Sum, [comm.size - 1, 1001])
+    check_reduce_scatter(comm, "hierarchical", "int16", mt.Sum, [37, 333])
+    check_allgather(comm, "hierarchical", "uint8", [37, 401])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_goes_hierarchical_across_nodes(comm: mt.Communicator) -> None:
+    """auto picks hierarchical for a large allreduce when the job spans nodes, on every
+    rank alike, and gets the same bits as the flat ring."""
+    count = 1 << 20
+    name = comm._algorithm("allreduce", "auto", count * 4, NUMPY)
+    spans = comm.topology.node_count > 1
+    assert_all_ranks(comm, (name == "hierarchical") == spans, f"auto chose {name}")
+    assert_all_ranks(comm, len(set(comm.allgather_object(name))) == 1, "ranks disagree")
+    x = crafted(comm.rank, count, "float32", mt.Sum)
+    got = comm.allreduce(x, op=mt.Average)
+    flat = comm.allreduce(x, op=mt.Average, algorithm="ring")
+    want = reference(comm.size, count, "float32", mt.Average)
+    assert_equal_all_ranks(comm, got, want, "auto average")
+    assert_all_ranks(comm, bool(np.array_equal(got, flat)), "auto differs from ring")

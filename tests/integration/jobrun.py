@@ -1,0 +1,72 @@
+"""Starting whole MPI jobs from a test: ``mpirun`` (or ``mpitrain-run``) with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent / "jobs"
+_BESIDE = Path(sys.executable).parent / "mpirun"
+MPIRUN = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpirun") or "mpirun"
+FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+         "--mca", "threads_pthreads_yield_strategy", "nanosleep"]
+
+
+@dataclass
+class Result:
+    """How a job ended: exit code (-1: killed at the timeout), output, seconds."""
+
+    rc: int
+    out: str
+    seconds: float
+
+
+def environment(**env: str) -> dict[str, str]:
+    """This process's environment for a job: the worktree's mpitrain, root allowed."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MPITRAIN_")}
+    full.update(PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
+                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
+    return full
+
+
+def mpirun(np_: int, args: list[str], **env: str) -> list[str]:
+    """The ``mpirun`` command running ``python args...`` on ``np_`` ranks."""
+    exports = [a for k in ("PYTHONPATH", *env) for a in ("-x", k)]
+    return [MPIRUN, *FLAGS, *exports, "-np", str(np_), sys.executable, *args]
+
+
+def launcher(args: list[str]) -> list[str]:
+    """The ``mpitrain-run`` command with ``args``."""
+    return [sys.executable, "-m", "mpitrain.run", *args]
+
+
+def start(cmd: list[str], **env: str) -> subprocess.Popen[str]:
+    """Start ``cmd`` in a session of its own (so a timeout can kill every rank)."""
+    return subprocess.Popen(cmd, env=environment(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float, started: float | None = None) -> Result:
+    """Wait for ``proc``; kill its whole session if it outlives ``timeout``."""
+    started = time.monotonic() if started is None else started
+    try:
+        out, _ = proc.communicate(timeout=max(0.0, timeout - (time.monotonic() - started)))
+        return Result(proc.returncode, out, time.monotonic() - started)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return Result(-1, out + f"\n[killed after {timeout:.0f} s]",
+                      time.monotonic() - started)
+
+
+def run(cmd: list[str], timeout: float, **env: str) -> Result:
+    """Run ``cmd`` to completion (or to ``timeout``)."""
+    started = time.monotonic()
+    return finish(start(cmd, **env), timeout, started)

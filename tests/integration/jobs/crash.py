@@ -1,0 +1,46 @@
+"""A rank that dies of an uncaught exception while the others are in collectives.
+
+Usage: crash.py OUT_DIR RANK [thread]
+
+RANK raises ValueError at step 5 (in a thread of its own with ``thread``), after
+writing the time to ``OUT_DIR/raised``; every rank reduces every 10 ms meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+import mpitrain as mt
+
+
+def fail(step: int) -> None:
+    raise ValueError(f"boom at step {step}")
+
+
+def main() -> None:
+    out, victim = sys.argv[1], int(sys.argv[2])
+    in_thread = len(sys.argv) > 3
+    comm = mt.init()
+    x = np.ones(100)
+    for step in range(3000):
+        if comm.rank == victim and step == 5:
+            with open(os.path.join(out, "raised"), "w") as f:
+                f.write(repr(time.time()))
+            if in_thread:
+                worker = threading.Thread(target=fail, args=(step,), name="loader")
+                worker.start()
+                worker.join()
+            else:
+                fail(step)
+        comm.allreduce(x)
+        time.sleep(0.01)
+    print(f"rank {comm.rank} finished all steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Least-squares training under mpitrain.elastic, with a rank that fails on request.
+
+Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP] [--checkpoint DIR]
+
+Every step reduces the gradient of a fixed global batch of ``BATCH`` samples, split
+over however many ranks there are, so the trajectory does not depend on the rank
+count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
+waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
+STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0). Each rank
+that finishes writes ``OUT_DIR/rank<r>.json``: the step it started from, the states it
+resumed from after failures, the gradient of every step with the rank count that
+produced it, and its final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+STEPS, BATCH, DIM, LR = 24, 12, 5, 0.05
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    """The whole data set: STEPS batches of BATCH samples."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((STEPS * BATCH, DIM))
+    y = x @ np.arange(1.0, DIM + 1) + 0.1 * rng.standard_normal(STEPS * BATCH)
+    return x, y
+
+
+def gradient(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Sum over the samples of the squared-error gradient."""
+    return x.T @ (x @ w - y)
+
+
+def main() -> None:
+    import mpitrain as mt  # here, so that the test can import data() without MPI
+
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--victim", type=int, nargs=2, default=(-1, -1))
+    p.add_argument("--raise-at", type=int, nargs=2, default=(-1, -1))
+    p.add_argument("--checkpoint")
+    args = p.parse_args()
+    attempt = int(os.environ.get("MPITRAIN_RESTART", "0"))
+    x, y = data()
+    first_rank = mt.init().rank
+    state = mt.elastic.State(params=np.zeros(DIM), step=0, checkpoint=args.checkpoint)
+    log: dict[str, Any] = {"resumed": [], "steps": [], "started": None}
+    state.register_reset_callbacks([lambda: log["resumed"].append(
+        {"step": state.step, "params": state.params.tolist(), "size": mt.size()})])
+
+    @mt.elastic.run
+    def train(state: Any) -> None:
+        if log["started"] is None:
+            log["started"] = state.step
+        while state.step < STEPS:
+            comm = mt.default_communicator()
+            if (first_rank, state.step) == tuple(args.victim):
+                with open(os.path.join(args.out, "victim.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(60)  # killed here by the test
+            if (first_rank, state.step) == tuple(args.raise_at) and attempt == 0:
+                raise RuntimeError(f"rank {first_rank} fails at step {state.step} on purpose")
+            lo = state.step * BATCH
+            rows = np.array_split(np.arange(lo, lo + BATCH), comm.size)[comm.rank]
+            g = comm.allreduce(gradient(x[rows], y[rows], state.params), op=mt.Sum) / BATCH
+            log["steps"].append({"step": state.step, "size": comm.size, "grad": g.tolist()})
+            state.params -= LR * g
+            state.step += 1
+            state.commit()
+
+    train(state)
+    log["final"] = state.params.tolist()
+    log["size"] = mt.size()
+    with open(os.path.join(args.out, f"rank{first_rank}.json"), "w") as f:
+        json.dump(log, f)
+    mt.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Elastic training under ULFM: kill -9 one of 4 ranks mid-training; 3 survivors finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from jobrun import JOBS, finish, launcher, start
+
+sys.path.insert(0, str(JOBS))
+import train as job  # the job's data, gradient and constants
+
+TIMEOUT_S = 150.0
+
+
+def reference(params: np.ndarray, first: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Gradients of steps ``first..STEPS-1`` and the final parameters, in one process."""
+    x, y = job.data()
+    w = params.copy()
+    grads = []
+    for step in range(first, job.STEPS):
+        rows = slice(step * job.BATCH, (step + 1) * job.BATCH)
+        g = job.gradient(x[rows], y[rows], w) / job.BATCH
+        grads.append(g)
+        w -= job.LR * g
+    return grads, w
+
+
+def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> None:
+    victim, victim_step = 2, 9
+    started = time.monotonic()
+    proc = start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"), str(tmp_path),
+                           "--victim", str(victim), str(victim_step)]))
+    pid_file = tmp_path / "victim.pid"
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - started < TIMEOUT_S, "the victim never reached its step"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    result = finish(proc, TIMEOUT_S, started)
+    assert result.rc == 0, result.out
+    logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 3)}
+    assert not (tmp_path / f"rank{victim}.json").exists()
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank, log in logs.items():
+        assert log["size"] == 3, f"rank {rank} ended with {log['size']} ranks"
+        assert len(log["resumed"]) == 1, log["resumed"]
+        resumed = log["resumed"][0]
+        assert resumed["size"] == 3 and resumed["step"] == victim_step
+        # a reference run from the restored state, and the survivors' own steps after it
+        grads, want = reference(np.array(resumed["params"]), resumed["step"])
+        after = [s for s in log["steps"] if s["size"] == 3]
+        assert [s["step"] for s in after] == list(range(victim_step, job.STEPS))
+        for s, g in zip(after, grads):
+            np.testing.assert_allclose(s["grad"], g, rtol=1e-12, atol=1e-12)
+        before = [s for s in log["steps"] if s["size"] == 4]
+        assert [s["step"] for s in before] == list(range(victim_step))
+        np.testing.assert_allclose(log["final"], want, rtol=1e-12)
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+    assert "resumes from commit" in result.out
+
+
+def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:
+    """Under --elastic the excepthook kills the raising rank by SIGKILL; the others go on."""
+    result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), "--raise-at", "3", "16"])), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert "[rank 3] RuntimeError: rank 3 fails at step 16 on purpose" in result.out
+    assert "killing this rank so the others go on without it" in result.out
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in (0, 1, 2):
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["step"] for r in log["resumed"]] == [16] and log["size"] == 3
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
