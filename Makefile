@@ -52,7 +52,7 @@ demo: $(VENV)/.installed
 # malloc thresholds, and at small sizes with and without validation. JSON and PNG go to
 # $(BENCH); BENCHMARKS.md is regenerated from them.
 BENCH        ?= benchmarks/results
-BENCH_SIZES  := -b 4 -e 256M -f 4 -n 10 -w 2
+BENCH_SIZES  := -b 4 -e 256M -f 4 -n 10 -w 2 --budget 20
 TUNED_MALLOC := -x MALLOC_MMAP_THRESHOLD_=2147483647 -x MALLOC_TRIM_THRESHOLD_=4294967296
 BENCH_RANKS  ?= 2 4
 algorithms_of = $$($(PY) -c "from mpitrain.algorithms import ALGORITHMS as A; \
@@ -68,10 +68,10 @@ bench: $(VENV)/.installed
 	      --impl mpitrain,mpi$$gloo --algorithm auto,$(call algorithms_of,$$c) \
 	      --json $(BENCH)/$$c-np$$n.json --plot $(BENCH)/$$c-np$$n.png || exit 1; \
 	  done; \
-	  $(RUN) -np $$n $(PY) -m benchmarks allreduce -b 64K -e 256M -f 4 -n 10 -w 2 \
+	  $(RUN) -np $$n $(PY) -m benchmarks allreduce -b 64K -e 256M -f 4 -n 10 -w 2 --budget 20 \
 	    --impl mpitrain,mpi --algorithm auto,ring,shm \
 	    --json $(BENCH)/allreduce-np$$n-inplace.json || exit 1; \
-	  $(RUN) $(TUNED_MALLOC) -np $$n $(PY) -m benchmarks allreduce -b 1M -e 256M -f 4 -n 10 \
+	  $(RUN) $(TUNED_MALLOC) -np $$n $(PY) -m benchmarks allreduce -b 1M -e 256M -f 4 -n 10 --budget 20 \
 	    -w 2 --no-inplace --impl mpitrain,mpi --json $(BENCH)/allreduce-np$$n-malloc.json \
 	    || exit 1; \
 	  $(RUN) -np $$n $(PY) -m benchmarks allreduce -b 4 -e 64K -f 4 -n 200 -w 20 --no-inplace \

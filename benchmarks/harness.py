@@ -132,6 +132,7 @@ class Options:
     inplace: bool
     json: str | None
     plot: str | None
+    budget: float = 0.0
     array: str = "numpy"
 
     @property
@@ -210,6 +211,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                         "columns each: on, off (default on)")
     p.add_argument("--algorithm", type=_comma_list, default=["auto"],
                    help="comma list of mpitrain algorithms, one column each (default auto)")
+    p.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
+                   help="time a size with fewer runs (at least 3) where -n runs of every "
+                        "call would take longer than this (default 0: always -n)")
     p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the in-place variant (default: yes)")
     p.add_argument("--array", choices=ARRAYS, default="numpy",
@@ -256,27 +260,41 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
                    dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
                    impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check]),
                    algorithms=a.algorithm,
-                   inplace=a.inplace, json=a.json, plot=a.plot, array=a.array)
+                   inplace=a.inplace, json=a.json, plot=a.plot, budget=a.budget,
+                   array=a.array)
 
 
 # -- timing and verification ----------------------------------------------------------
+MIN_ITERS = 3
+
+
 def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
-               barrier: Callable[[], None]) -> dict[Key, list[float]]:
+               barrier: Callable[[], None], budget: float = 0.0,
+               slowest: Callable[[float], float] = float) -> dict[Key, list[float]]:
     """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
 
     Each repetition runs every call once, the order rotated by one per repetition so
     that no call always follows the same one. A reset and a barrier precede each
-    run; only the run is timed.
+    run; only the run is timed. With a ``budget`` (seconds), the repetitions are cut
+    to what the last warm-up round says fits in it (at least ``MIN_ITERS``);
+    ``slowest`` turns this rank's estimate into every rank's (the maximum over ranks),
+    so that every rank runs as many.
 
     Returns:
         This rank's seconds per run of each call.
     """
     keys = list(calls)
+    round_seconds = 0.0
     for _ in range(warmup):
+        start = time.perf_counter()
         for key in keys:
             calls[key].reset()
             barrier()
             calls[key].run()
+        round_seconds = time.perf_counter() - start
+    if budget > 0 and warmup:
+        per_round = slowest(round_seconds)
+        iters = min(iters, max(MIN_ITERS, int(budget / per_round) if per_round else iters))
     times: dict[Key, list[float]] = {key: [] for key in keys}
     for rep in range(iters):
         shift = rep % len(keys)
@@ -322,6 +340,7 @@ class Result:
     busbw: float
     wrong: int
     extra_mib: float = memory.UNKNOWN
+    runs: int = 0
 
     @property
     def key(self) -> Key:
@@ -361,7 +380,8 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
         call.reset()
         world.Barrier()
         extra[i] = memory.peak_extra(call.run)
-    times = time_calls(calls, opts.iters, opts.warmup, world.Barrier)
+    times = time_calls(calls, opts.iters, opts.warmup, world.Barrier, opts.budget,
+                       lambda t: world.allreduce(t, op=MPI.MAX))
     expected = coll.expected(case)
     wrong = np.array([count_wrong(call, expected, placement.get) for call in calls.values()],
                      dtype=np.int64)
@@ -377,7 +397,8 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
         algbw = size / median / 1e9
         results.append(Result(size, case.count, str(case.dtype), case.op, case.root, label,
                               inplace, median * 1e6, fastest * 1e6, slowest * 1e6, algbw,
-                              algbw * factor, int(bad), float(mib)))
+                              algbw * factor, int(bad), float(mib),
+                              len(times[(label, inplace)])))
     return results
 
 
@@ -539,7 +560,9 @@ def header_block(opts: Options, command: str, machine: dict[str, Any],
         else "-"
     versions = (f"python {machine['python']}, numpy {machine['numpy']}, "
                 f"mpi4py {machine['mpi4py']}, mpitrain {machine['mpitrain']}")
-    timing = (f"{opts.warmup} warm-up + {opts.iters} timed runs per size, implementations "
+    runs = f"{opts.iters}" + (f" (fewer, >= {MIN_ITERS}, where they exceed "
+                              f"{opts.budget:g} s)" if opts.budget else "")
+    timing = (f"{opts.warmup} warm-up + {runs} timed runs per size, implementations "
               "interleaved, barrier before each run; time = max over ranks of each rank's "
               "median")
     native = "mpi4py's calls on a Dup of COMM_WORLD"
@@ -583,7 +606,7 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
         "settings": {"sizes": opts.sizes, "iters": opts.iters, "warmup": opts.warmup,
                      "dtype": str(opts.dtype), "op": opts.op, "root": opts.root,
                      "impls": labels, "algorithms": opts.algorithms,
-                     "inplace": opts.inplace},
+                     "inplace": opts.inplace, "budget_s": opts.budget},
         "timing": "time_us = max over ranks of each rank's median of the timed runs; "
                   "time_min_us/time_max_us = max over ranks of each rank's min/max",
         "results": [asdict(r) for r in results],

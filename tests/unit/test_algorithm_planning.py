@@ -123,3 +123,17 @@ def test_selection_by_dtype_and_availability(tmp_path: pytest.TempPathFactory,
     assert selection.select("allreduce", 4, 2, "numpy", both, "float16") == "ring"
     assert selection.select("allreduce", 4, 2, "numpy", both, "bfloat16") == "ring"
     assert selection.select("allreduce", 4, 2, "numpy", both, "float32") == "shm"
+
+
+def test_default_rules_name_registered_algorithms_and_cover_every_size() -> None:
+    from mpitrain.algorithms import ALGORITHMS, selection
+
+    for rule in selection.DEFAULT_RULES:
+        assert rule.algorithm in ALGORITHMS[rule.collective], rule
+    for collective, names in ALGORITHMS.items():
+        without_shm = tuple(a for a in names if a != "shm")
+        for nbytes in (0, 4, 1 << 16, 1 << 20, 1 << 30):
+            for ranks in (2, 3, 64):
+                for available in (names, without_shm):
+                    chosen = selection.select(collective, nbytes, ranks, "numpy", available)
+                    assert chosen in available

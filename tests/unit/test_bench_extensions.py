@@ -124,3 +124,16 @@ def test_report_tables_and_targets(tmp_path: Any) -> None:
     assert "mpirun -np 2 python -m benchmarks x" in text and "cmd-overhead" in text
     assert report.main([str(tmp_path / "nothing-here")]) == 1
     assert os.path.exists(out)
+
+
+def test_budget_cuts_repetitions_but_not_below_three() -> None:
+    import time as clock
+
+    from benchmarks.hooks import Call, no_reset
+
+    slow = Call(lambda: clock.sleep(0.01), no_reset)
+    times = harness.time_calls({("a", False): slow}, iters=50, warmup=1, barrier=lambda: None,
+                               budget=0.05)
+    assert harness.MIN_ITERS <= len(times[("a", False)]) <= 6
+    times = harness.time_calls({("a", False): slow}, iters=4, warmup=1, barrier=lambda: None)
+    assert len(times[("a", False)]) == 4
