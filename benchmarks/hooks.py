@@ -79,6 +79,7 @@ class Call:
 
 PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool], Optional[Call]]
 PrepareMpi = Callable[[MPI.Intracomm, Case, Array, bool], Optional[Call]]
+PrepareGloo = Callable[[Any, Case, Array, bool], Optional[Call]]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class Collective:
         mpitrain: ``(comm, algorithm, case, data, inplace) -> Call``; ``None`` when
             mpitrain has no such variant (the table prints ``N/A``).
         mpi: ``(comm, case, data, inplace) -> Call`` with mpi4py's own collectives.
+        gloo: ``(torch.distributed, case, data, inplace) -> Call`` with the gloo backend
+            (:mod:`benchmarks.gloo`); ``None`` where gloo has no such call.
+        direct_traffic: ``nranks -> bytes of memory traffic per byte of size`` of an
+            algorithm that reads the other ranks' buffers directly (the hardware bound
+            printed next to the bus bandwidth).
     """
 
     name: str
@@ -109,6 +115,8 @@ class Collective:
     expected: Callable[[Case], Array]
     mpitrain: PrepareMpitrain
     mpi: PrepareMpi
+    gloo: PrepareGloo
+    direct_traffic: Callable[[int], float]
 
 
 # -- crafted values -------------------------------------------------------------------

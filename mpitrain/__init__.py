@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import elastic, excepthook
 from .comm import Communicator
+from .engine import EngineStats, Handle
 from .errors import (
     ArgumentError,
     CommunicationError,
@@ -28,6 +29,7 @@ from .errors import (
     StallError,
 )
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .timeline import start_timeline, stop_timeline
 
 __version__ = "0.1.0"
 
@@ -150,6 +152,51 @@ def allgather_object(obj: Any) -> list[Any]:
     return default_communicator().allgather_object(obj)
 
 
+def allreduce_async(x: Any, op: ReduceOp | str = Sum, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.allreduce_async` on the default communicator."""
+    return default_communicator().allreduce_async(x, op, **kwargs)
+
+
+def allreduce_async_(x: Any, op: ReduceOp | str = Sum, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.allreduce_async_` on the default communicator."""
+    return default_communicator().allreduce_async_(x, op, **kwargs)
+
+
+def grouped_allreduce(xs: list[Any], op: ReduceOp | str = Sum, **kwargs: Any) -> list[Any]:
+    """:meth:`Communicator.grouped_allreduce` on the default communicator."""
+    return default_communicator().grouped_allreduce(xs, op, **kwargs)
+
+
+def grouped_allreduce_async(xs: list[Any], op: ReduceOp | str = Sum, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.grouped_allreduce_async` on the default communicator."""
+    return default_communicator().grouped_allreduce_async(xs, op, **kwargs)
+
+
+def allgather_async(x: Any, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.allgather_async` on the default communicator."""
+    return default_communicator().allgather_async(x, **kwargs)
+
+
+def broadcast_async_(x: Any, root: int = 0, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.broadcast_async_` on the default communicator."""
+    return default_communicator().broadcast_async_(x, root, **kwargs)
+
+
+def reduce_scatter_async(x: Any, op: ReduceOp | str = Sum, **kwargs: Any) -> Handle:
+    """:meth:`Communicator.reduce_scatter_async` on the default communicator."""
+    return default_communicator().reduce_scatter_async(x, op, **kwargs)
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async operation and return its result (``handle.wait()``)."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True once an async operation is done; never blocks (``handle.test()``)."""
+    return handle.test()
+
+
 __all__ = [
     "ArgumentError", "Average", "CommunicationError", "Communicator", "DtypeError", "Max",
     "Min", "MismatchError", "MpitrainError", "NotInitializedError", "Product", "ReduceOp",
@@ -157,4 +204,9 @@ __all__ = [
     "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank", "cross_size",
     "default_communicator", "elastic", "init", "is_initialized", "local_rank", "local_size", "rank",
     "reduce_scatter", "shutdown", "size",
+]
+__all__ += [
+    "EngineStats", "Handle", "allgather_async", "allreduce_async", "allreduce_async_",
+    "broadcast_async_", "grouped_allreduce", "grouped_allreduce_async", "poll",
+    "reduce_scatter_async", "start_timeline", "stop_timeline", "synchronize",
 ]

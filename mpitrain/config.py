@@ -8,8 +8,8 @@ and see the change without re-importing anything.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ArgumentError
 
@@ -39,26 +39,64 @@ def _parse_size(text: str) -> int:
     return value
 
 
+def _parse_count(text: str) -> int:
+    """Parse an integer >= 1."""
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+# CPython keeps the environment in a dict of bytes on POSIX; reading it directly is several
+# times faster than os.environ.get, which matters on the per-call path of small collectives.
+_ENVIRON_BYTES: dict[bytes, bytes] | None = getattr(os.environ, "_data", None)
+if os.name != "posix" or not isinstance(_ENVIRON_BYTES, dict):  # pragma: no cover
+    _ENVIRON_BYTES = None
+
+
+def _raw(name: str, key: bytes) -> str | None:
+    if _ENVIRON_BYTES is None:  # pragma: no cover - non-POSIX
+        return os.environ.get(name)
+    value = _ENVIRON_BYTES.get(key)
+    return None if value is None else os.fsdecode(value)
+
+
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One ``MPITRAIN_*`` variable: its name, parser, default and meaning."""
+    """One ``MPITRAIN_*`` variable: its name, parser, default and meaning.
+
+    The variable is read on every :meth:`get` (so a changed environment is seen at
+    once); the parsed value of each raw text is cached.
+    """
 
     name: str
     parse: Callable[[str], T]
     default: T
     doc: str
+    _parsed: dict[str, T] = field(default_factory=dict, repr=False, compare=False)
+    _key: bytes = field(default=b"", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_key", os.fsencode(self.name))
 
     def get(self, override: T | None = None) -> T:
         """Return ``override`` if given, else the parsed variable, else the default."""
         if override is not None:
             return override
-        raw = os.environ.get(self.name)
-        if raw is None or raw == "":
+        raw = _raw(self.name, self._key)
+        if not raw:
             return self.default
         try:
-            return self.parse(raw)
+            return self._parsed[raw]
+        except KeyError:
+            pass
+        try:
+            value = self.parse(raw)
         except ValueError as exc:
             raise ArgumentError(f"{self.name}={raw!r} is not valid: {exc}") from None
+        if len(self._parsed) < 64:
+            self._parsed[raw] = value
+        return value
 
 
 ALGORITHM = Setting("MPITRAIN_ALGORITHM", str, "auto",
@@ -67,6 +105,20 @@ SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
                         "Pipeline segment size of the ring in bytes; 0 chooses by size.")
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
+CHECK = Setting("MPITRAIN_CHECK", _parse_bool, True,
+                "Cross-rank validation of every collective's arguments before data moves.")
+SHM = Setting("MPITRAIN_SHM", _parse_bool, True,
+              "Use shared-memory windows between the ranks of one node (validation, shm "
+              "algorithm); read when a communicator is created.")
+
+FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
+                           "Async allreduces are packed into fusion buffers of up to this "
+                           "many bytes; 0 turns fusion off.")
+CYCLE_TIME_MS = Setting("MPITRAIN_CYCLE_TIME_MS", float, 1.0,
+                        "Async engine: pause after a cycle in which nothing moved, and the "
+                        "longest sleep while polling for other ranks (milliseconds).")
+TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
+                   "Chrome-trace file that rank 0 writes the async engine's timeline to.")
 INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
                               "Largest message of the inter-node phases of hierarchical "
                               "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
@@ -107,9 +159,15 @@ ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
 MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
                   "mpiexec used by mpitrain-run (default: next to python, then PATH).")
 
-ALL_SETTINGS: tuple[Setting[object], ...] = (  # type: ignore[assignment]
-    ALGORITHM, SEGMENT_BYTES, TUNING_FILE, STALL_WARNING_S, STALL_TIMEOUT_S, STALL_ACTION,
-    ABORT_ON_EXCEPTION, ELASTIC, MPIEXEC, INTER_SEGMENT_BYTES)
+CUDA_AWARE: Setting[bool | None] = Setting(
+    "MPITRAIN_CUDA_AWARE", _parse_bool, None,
+    "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
+                        "Pinned host segments per direction when staging device buffers.")
+
+
+ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, Setting))
 
 
 def describe() -> str:

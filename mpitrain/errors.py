@@ -36,3 +36,7 @@ class StallError(CommunicationError):
 
 class NotInitializedError(MpitrainError, RuntimeError):
     """A module-level function was called before :func:`mpitrain.init`."""
+
+
+class CheckpointError(MpitrainError, ValueError):
+    """A checkpoint cannot be written or read (unsupported value, damaged file, ...)."""

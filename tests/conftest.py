@@ -9,11 +9,14 @@ from typing import Iterator
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Ranks share few cores: one compute thread each (torch's OpenMP threads would spin).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def comm() -> Iterator[object]:
-    """The default mpitrain communicator over every rank of the job."""
+    """The default mpitrain communicator over every rank of the job (a test may shut it
+    down: the next one gets a new one)."""
     import mpitrain as mt
 
     yield mt.init()

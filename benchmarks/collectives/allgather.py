@@ -11,12 +11,14 @@ buffer. Rank ``r``'s block carries the crafted values of global indices
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
 
+from .. import gloo
 from ..hooks import Array, Call, Case, Collective, crafted, mpi_buffer, no_reset, poison
 
 
@@ -66,6 +68,21 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, reset_in_place if inplace else functools.partial(poison, out))
 
 
+def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+    out = np.empty(case.count * case.nranks, case.dtype)
+    source, target = gloo.tensor(data), gloo.tensor(out)
+    if inplace or source is None or target is None:
+        return None
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def run() -> Array:
+        gather(target, source)
+        return out
+
+    return Call(run, functools.partial(poison, out))
+
+
 COLLECTIVE = Collective(name="allgather", reduces=False, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi)
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        direct_traffic=lambda n: 2 * (n - 1))

@@ -8,12 +8,14 @@ all-gather half.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
 
+from .. import gloo
 from ..hooks import (
     Array,
     Call,
@@ -76,6 +78,25 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
 
 
+def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+    out = data.copy()
+    tensor = gloo.tensor(out)
+    if tensor is None:
+        return None
+    op, average = gloo.reduce_op(case.op), case.op == "avg"
+
+    def run() -> Array:
+        if not inplace:  # gloo reduces in place: out-of-place costs a copy first
+            np.copyto(out, data)
+        dist.all_reduce(tensor, op=op)
+        if average:
+            average_in_place(out, case.nranks)
+        return out
+
+    return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
+
+
 COLLECTIVE = Collective(name="allreduce", reduces=True, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi)
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        direct_traffic=lambda n: 3 * n - 1)

@@ -8,12 +8,14 @@ copies the root's input into the output, then broadcasts the output.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
 
+from .. import gloo
 from ..hooks import (
     Array,
     Call,
@@ -70,6 +72,23 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
 
 
+def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+    out = data.copy() if inplace else np.empty_like(data)
+    tensor = gloo.tensor(out)
+    if tensor is None:
+        return None
+    copy_root_input = not inplace and case.rank == case.root
+
+    def run() -> Array:
+        if copy_root_input:
+            np.copyto(out, data)
+        dist.broadcast(tensor, case.root)
+        return out
+
+    return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
+
+
 COLLECTIVE = Collective(name="broadcast", reduces=False, rooted=True, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi)
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        direct_traffic=lambda n: 2 * (n - 1))

@@ -9,12 +9,14 @@ in-place reduce_scatter; MPI's reduces in place with ``Reduce_scatter_block``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
 
+from .. import gloo
 from ..hooks import (
     Array,
     Call,
@@ -75,6 +77,24 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, restore(buf, data) if inplace else functools.partial(poison, out))
 
 
+def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+    out = np.empty(case.count, case.dtype)
+    source, target = gloo.tensor(data), gloo.tensor(out)
+    if inplace or source is None or target is None:
+        return None
+    op, average = gloo.reduce_op(case.op), case.op == "avg"
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def run() -> Array:
+        scatter(target, source, op=op)
+        if average:
+            average_in_place(out, case.nranks)
+        return out
+
+    return Call(run, functools.partial(poison, out))
+
+
 COLLECTIVE = Collective(name="reduce_scatter", reduces=True, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi)
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        direct_traffic=lambda n: n + 1)

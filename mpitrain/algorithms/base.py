@@ -8,6 +8,10 @@ reduces data. The signatures of ``run()`` per collective:
 * reduce_scatter: ``run(src, out)``, ``out`` holds this rank's chunk;
 * allgather: ``run(block, out)``, ``out`` holds every rank's chunk;
 * broadcast: ``run(buf)``.
+
+An algorithm whose class sets ``fuses_check = True`` validates the call itself (its
+data rides the validation exchange): its ``run`` takes the call's
+:class:`~mpitrain.comm.validation.Signature` (or ``None``) as a last argument.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from ..backends import ArrayBackend
+from ..comm.shm import SharedMemory
 from ..comm.topology import Topology
-from ..comm.transport import Transport
+from ..comm.transport import PeerTransport
+from ..comm.validation import Validator
 from ..ops import ReduceOp
 from .chunks import Bounds
 
@@ -38,10 +44,12 @@ class PlanRequest:
         chunks: element range of each rank's chunk: the ``np.array_split`` blocks of the
             buffer for allreduce and reduce-scatter, each rank's block for allgather.
         root: the root rank (broadcast).
-        segment_bytes: pipeline segment size (0: whole chunks).
+        segment_bytes: pipeline segment size (0: chosen by the algorithm).
+        shm: the node's shared memory (``None`` when the ranks span nodes or it is off).
+        validator: the header exchange, for algorithms that carry data in it.
     """
 
-    transport: Transport
+    transport: PeerTransport
     topology: Topology
     backend: ArrayBackend
     dtype: np.dtype[Any]
@@ -49,6 +57,8 @@ class PlanRequest:
     chunks: tuple[Bounds, ...]
     root: int = 0
     segment_bytes: int = 0
+    shm: SharedMemory | None = None
+    validator: Validator | None = None
 
     @property
     def count(self) -> int:

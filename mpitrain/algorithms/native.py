@@ -3,7 +3,8 @@
 They serve as the ``"mpi"`` algorithm (a baseline in benchmarks, and a candidate of
 the selection table where they are faster). Float16 and bfloat16, which MPI cannot
 reduce portably, are reduced by a user-defined MPI operation that calls our numpy
-reduction, over a contiguous datatype of one element so MPI never splits one.
+reduction, over a contiguous datatype of one element so MPI never splits one. So are
+Min and Max of floats, so that NaN propagates as it does in every other algorithm.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
 
 @functools.cache
 def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
-    """The MPI operation reducing ``dt`` with ``op`` (user-defined for float16/bf16)."""
-    if mpi_reduces_natively(dt):
+    """The MPI operation reducing ``dt`` with ``op``.
+
+    User-defined (our numpy reduction) for float16/bf16, and for Min/Max of floats:
+    Open MPI's ``MPI_MIN``/``MPI_MAX`` drop NaN, numpy's propagate it, and every
+    algorithm must give the same result.
+    """
+    if mpi_reduces_natively(dt) and not (op in (ReduceOp.MIN, ReduceOp.MAX)
+                                         and dt.kind == "f"):
         return _MPI_OPS[op]
     ufunc = _UFUNCS[op]
 
@@ -75,6 +82,7 @@ class NativeAllreduce:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         if src is not out:
             self.backend.copy_into(out, src)
+            self.backend.synchronize()  # a device copy must be done before MPI reads out
         self.transport.collective(self.comm.Allreduce, self.comm.Iallreduce, MPI.IN_PLACE,
                                   _spec(self.backend, out, self.count, self.dt), self.mpi_op)
 

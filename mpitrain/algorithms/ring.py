@@ -14,6 +14,12 @@ as segment ``k`` of step ``s`` has been reduced (or received), so reductions ove
 transfers. Receives of the reduce-scatter phase land in ``scratch`` (one chunk);
 reduce-scatter needs two more chunk-sized accumulators for its intermediate
 results, allreduce reduces straight into the output. ``run()`` allocates nothing.
+
+The last reduction of each segment also applies the collective's ``postscale`` (one
+pass instead of two; a single kernel on device buffers). The ring only talks to its
+transport (``isend``, ``irecv``, ``forward``, ``waitall``), so the same code moves
+host buffers, device buffers through a CUDA-aware MPI, or device buffers staged
+through pinned host memory (:mod:`mpitrain.comm.staging`).
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from ..backends import ArrayBackend
-from ..comm.transport import Request, Transport
+from ..comm.transport import PeerTransport, Request
 from ..ops import ReduceOp
 from .base import PlanRequest
-from .chunks import Bounds, segment_bounds, segment_count
+from .chunks import Bounds, default_segment_bytes, segment_bounds, segment_count
 
 RS_TAG = 11
 AG_TAG = 12
@@ -43,13 +49,16 @@ class RingSchedule:
         segment_bytes: pipeline segment size (0: whole chunks).
     """
 
-    def __init__(self, transport: Transport, backend: ArrayBackend, chunks: list[Bounds],
+    def __init__(self, transport: PeerTransport, backend: ArrayBackend, chunks: list[Bounds],
                  dtype: Any, segment_bytes: int) -> None:
         self.transport = transport
         self.backend = backend
         self.n = transport.size
         self.chunks = chunks
         max_chunk = max(stop - start for start, stop in chunks)
+        itemsize = np.dtype(dtype).itemsize
+        if not segment_bytes:
+            segment_bytes = default_segment_bytes(chunks[-1][1] * itemsize, self.n)
         self.segments = segment_count(max_chunk, np.dtype(dtype).itemsize, segment_bytes)
         # segs[c][k] = absolute element range of segment k of chunk c.
         self.segs = [segment_bounds(c, self.segments) for c in chunks]
@@ -66,7 +75,8 @@ class RingSchedule:
         return buf[off:off + hi - lo]
 
     def reduce_scatter(self, src: Any, dst_of_step: Any, owned: int, scratch: Any,
-                       op: ReduceOp, final_sends: list[Request | None] | None) -> None:
+                       op: ReduceOp, final_sends: list[Request | None] | None,
+                       postscale: float = 1.0) -> None:
         """Run the reduce-scatter phase.
 
         Args:
@@ -77,6 +87,7 @@ class RingSchedule:
             op: the elementwise reduction.
             final_sends: if a list, each finished segment of the owned chunk is sent on
                 at once as the first step of the all-gather phase and its request appended.
+            postscale: factor applied to the fully reduced segments of the owned chunk.
         """
         n, t, be = self.n, self.transport, self.backend
         K = self.segments
@@ -111,7 +122,8 @@ class RingSchedule:
                         t.wait(prev)
                 lo, hi = self.segs[c][k]
                 dst = dst_of_step(step, c, k)
-                be.reduce_into(dst, src[lo:hi], self.scratch_view(scratch, c, k), op)
+                be.reduce_into(dst, src[lo:hi], self.scratch_view(scratch, c, k), op,
+                               postscale if last else 1.0)
                 if not last:
                     post_recv(step + 1, k)
                     next_sends.append(send(dst, RS_TAG))
@@ -154,12 +166,15 @@ class RingSchedule:
                 if req is not None:
                     t.wait(req)
                     if forward:
-                        sends.append(t.isend(as_bytes(out[lo:hi]), right, AG_TAG))
+                        sends.append(t.forward(req, as_bytes(out[lo:hi]), right, AG_TAG))
         t.waitall(sends)
 
 
 class RingAllreduce:
     """Ring allreduce of a flat buffer: reduce-scatter then all-gather, pipelined."""
+
+    point_to_point = True
+    fuses_postscale = True
 
     def __init__(self, req: PlanRequest) -> None:
         self.n, self.rank, self.op = req.transport.size, req.transport.rank, req.reduction
@@ -168,11 +183,10 @@ class RingAllreduce:
                                      req.segment_bytes)
         self.scratch = req.backend.empty(self.schedule.scratch_len, req.dtype)
 
-    def run(self, src: Any, out: Any) -> None:
-        """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
+    def run(self, src: Any, out: Any, postscale: float = 1.0) -> None:
+        """``out = reduce(src over ranks) * postscale``; ``src`` may be ``out`` (in place)."""
         if self.n == 1 or self.count == 0:
-            if src is not out:
-                out[...] = src
+            self.schedule.backend.scale_into(out, src, postscale)
             return
         owned = (self.rank + 1) % self.n
         segs = self.schedule.segs
@@ -182,12 +196,16 @@ class RingAllreduce:
             return out[lo:hi]
 
         first_sends: list[Request | None] = []
-        self.schedule.reduce_scatter(src, dst, owned, self.scratch, self.op, first_sends)
+        self.schedule.reduce_scatter(src, dst, owned, self.scratch, self.op, first_sends,
+                                     postscale)
         self.schedule.all_gather(out, owned, first_sends)
 
 
 class RingReduceScatter:
     """Ring reduce-scatter: rank ``r`` gets the reduced chunk ``r`` of the buffer."""
+
+    point_to_point = True
+    fuses_postscale = True
 
     def __init__(self, req: PlanRequest) -> None:
         self.n, self.rank, self.op = req.transport.size, req.transport.rank, req.reduction
@@ -197,11 +215,11 @@ class RingReduceScatter:
         self.scratch = be.empty(length, dt)
         self.acc = (be.empty(length, dt), be.empty(length, dt)) if self.n > 2 else ()
 
-    def run(self, src: Any, out: Any) -> None:
-        """``out = reduced chunk rank of src``; ``out`` holds exactly that chunk."""
+    def run(self, src: Any, out: Any, postscale: float = 1.0) -> None:
+        """``out = reduced chunk rank of src * postscale``; ``out`` holds exactly that chunk."""
         lo, hi = self.schedule.chunks[self.rank]
         if self.n == 1:
-            out[...] = src[lo:hi]
+            self.schedule.backend.scale_into(out, src[lo:hi], postscale)
             return
         sched, last = self.schedule, self.n - 2
 
@@ -211,11 +229,13 @@ class RingReduceScatter:
                 return out[slo - lo:shi - lo]
             return sched.scratch_view(self.acc[step % 2], c, k)
 
-        sched.reduce_scatter(src, dst, self.rank, self.scratch, self.op, None)
+        sched.reduce_scatter(src, dst, self.rank, self.scratch, self.op, None, postscale)
 
 
 class RingAllgather:
     """Ring all-gather of blocks of possibly different lengths."""
+
+    point_to_point = True
 
     def __init__(self, req: PlanRequest) -> None:
         self.n, self.rank = req.transport.size, req.transport.rank

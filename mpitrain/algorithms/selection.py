@@ -1,12 +1,14 @@
 """Which algorithm runs a collective: one ordered table, first matching rule wins.
 
 A rule matches on the collective, the message size in bytes (``min_bytes <= nbytes <
-max_bytes``), the rank count, the number of nodes the ranks span and the buffer kind.
-The built-in single-node rules were measured on a 2-core host with Open MPI 5, the
-multi-node ones on an emulated cluster (see BENCHMARKS.md); ``mpitrain-tune`` measures a
-cluster's own crossovers and writes a JSON file of rules that
-``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every rank evaluates the
-same table on the same arguments, so every rank picks the same algorithm.
+max_bytes``), the rank count, the number of nodes the ranks span, the dtype and the
+buffer kind; a rule naming an algorithm the communicator cannot run (``shm`` across
+nodes or on device buffers) is skipped. The built-in single-node rules were measured on
+a 2-core host with Open MPI 5, the multi-node ones on an emulated cluster (see
+BENCHMARKS.md); ``mpitrain-tune`` measures a cluster's own crossovers and writes a JSON
+file of rules that ``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every
+rank evaluates the same table on the same arguments, so every rank picks the same
+algorithm.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ class Rule:
     min_ranks: int = 1
     max_ranks: int = 1 << 30
     buffer: str = "any"  # "numpy", "cupy" or "any"
+    dtypes: str = "any"  # "any" or a comma list of dtype names ("float16,bfloat16")
     min_nodes: int = 1
 
     def matches(self, collective: str, nbytes: int, ranks: int, buffer: str,
-                nodes: int = 1) -> bool:
+                dtype: str = "float32", nodes: int = 1) -> bool:
         """True if this rule applies to the call."""
         return (self.collective == collective and self.min_bytes <= nbytes < self.max_bytes
                 and self.min_ranks <= ranks <= self.max_ranks
-                and self.buffer in ("any", buffer) and nodes >= self.min_nodes)
+                and self.buffer in ("any", buffer) and nodes >= self.min_nodes
+                and (self.dtypes == "any" or dtype in self.dtypes.split(",")))
 
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -51,11 +55,15 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("reduce_scatter", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
     Rule("allgather", "hierarchical", min_bytes=1 * MiB, min_nodes=2),
     # Otherwise, and on one node.
+    Rule("allreduce", "shm"),
     Rule("allreduce", "mpi", max_bytes=256 * KiB),
     Rule("allreduce", "ring"),
+    Rule("reduce_scatter", "shm"),
     Rule("reduce_scatter", "mpi", max_bytes=64 * KiB),
     Rule("reduce_scatter", "ring"),
+    Rule("allgather", "shm"),
     Rule("allgather", "mpi"),
+    Rule("broadcast", "shm"),
     Rule("broadcast", "mpi"),
 )
 
@@ -82,14 +90,26 @@ def _rules_for(path: str) -> tuple[Rule, ...]:
     return (load_rules(path) if path else ()) + DEFAULT_RULES
 
 
+_choices: dict[tuple[Any, ...], str] = {}
+
+
 def select(collective: str, nbytes: int, ranks: int, buffer: str,
-           available: tuple[str, ...], nodes: int = 1) -> str:
+           available: tuple[str, ...], dtype: str = "float32", nodes: int = 1) -> str:
     """The algorithm for a call, among the ``available`` ones for this call.
 
-    ``nodes`` is the number of nodes the ranks span (``Topology.node_count``).
+    ``nodes`` is the number of nodes the ranks span (``Topology.node_count``). Choices
+    are memoized per argument tuple and tuning file, so a call costs one dictionary
+    lookup once its size has been seen.
     """
-    for rule in _rules_for(config.TUNING_FILE.get()):
-        if rule.algorithm in available and rule.matches(collective, nbytes, ranks, buffer,
-                                                        nodes):
-            return rule.algorithm
-    return available[0]
+    path = config.TUNING_FILE.get()
+    key = (path, collective, nbytes, ranks, buffer, available, dtype, nodes)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = next((rule.algorithm for rule in _rules_for(path)
+                       if rule.algorithm in available
+                       and rule.matches(collective, nbytes, ranks, buffer, dtype, nodes)),
+                      available[0])
+        if len(_choices) >= 4096:
+            _choices.clear()
+        _choices[key] = choice
+    return choice

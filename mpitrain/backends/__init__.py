@@ -1,10 +1,15 @@
-"""Array backends: numpy for host memory (cupy for device memory slots in here).
+"""Array backends: numpy for host memory, cupy for device memory.
 
 :func:`backend_for` picks the backend that owns an array; the comm layer never
-imports numpy or cupy for the data path itself.
+imports numpy or cupy for the data path itself. The CuPy backend is registered
+lazily: CuPy is imported only when a device array (a ``cupy.ndarray``, or any
+object exposing ``__cuda_array_interface__`` or a CUDA ``__dlpack_device__``, such
+as a torch CUDA tensor) is first passed in.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ..errors import DtypeError
 from .base import Array, ArrayBackend
@@ -13,6 +18,9 @@ from .numpy_backend import NumpyBackend
 NUMPY = NumpyBackend()
 _BACKENDS: list[ArrayBackend] = []
 
+# DLPack device types of memory a CUDA kernel can address: kDLCUDA, kDLCUDAManaged.
+_DLPACK_CUDA = (2, 13)
+
 
 def register(backend: ArrayBackend) -> None:
     """Add a backend consulted before numpy (device backends register themselves)."""
@@ -20,15 +28,49 @@ def register(backend: ArrayBackend) -> None:
         _BACKENDS.append(backend)
 
 
+def is_device_array(obj: object) -> bool:
+    """True for CUDA device arrays, recognised without importing any GPU library."""
+    if type(obj).__module__.split(".")[0] == "cupy":
+        return True
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises RuntimeError for tensors that require grad
+        pass
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is None or isinstance(obj, np.ndarray):
+        return False
+    try:
+        return int(dlpack_device()[0]) in _DLPACK_CUDA
+    except Exception:  # a producer that cannot say where its memory is: not ours
+        return False
+
+
+def _device_backend(obj: object) -> ArrayBackend:
+    """Import, register and return the CuPy backend."""
+    try:
+        from .cupy_backend import CUPY
+    except ImportError as exc:
+        raise DtypeError(f"got a CUDA device array ({type(obj).__module__}."
+                         f"{type(obj).__name__}) but CuPy cannot be imported ({exc}); install "
+                         "the CuPy wheel for your CUDA, e.g. pip install cupy-cuda12x") from None
+    register(CUPY)
+    return CUPY
+
+
 def backend_for(obj: object) -> ArrayBackend:
     """The backend that owns ``obj``; raises :class:`~mpitrain.DtypeError` if none does."""
     for backend in _BACKENDS:
         if backend.owns(obj):
             return backend
+    if isinstance(obj, np.ndarray):
+        return NUMPY
+    if is_device_array(obj):
+        return _device_backend(obj)
     if NUMPY.owns(obj) or isinstance(obj, (list, tuple, int, float, complex)):
         return NUMPY
     raise DtypeError(f"cannot use an object of type {type(obj).__name__} as a buffer; pass a "
-                     "numpy array (or a cupy array / torch tensor with the matching adapter)")
+                     "numpy array, a cupy array or a CUDA array (torch tensor, ...)")
 
 
-__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_for", "register"]
+__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_for", "is_device_array", "register"]

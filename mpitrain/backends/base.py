@@ -4,11 +4,16 @@ A backend wraps one array library (numpy for host memory, cupy for device memory
 The comm layer and the algorithms only ever call these methods, so an algorithm
 written once runs on both. Arrays handed to a backend are already flat and
 contiguous unless a method says otherwise.
+
+Stream rule for device backends: every method queues its work on the current
+stream and returns without waiting; :meth:`ArrayBackend.scope` makes the caller's
+stream current for a whole collective and synchronizes it on entry (so MPI never
+sees unfinished data) and on exit (so the result is complete on return).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 from ..ops import ReduceOp
 
@@ -21,6 +26,9 @@ class ArrayBackend(Protocol):
 
     name: str
     """Short name shown in benchmark headers and errors (``numpy``, ``cupy``)."""
+
+    is_device: bool
+    """True for device memory (the comm layer then picks a transfer policy)."""
 
     def owns(self, obj: object) -> bool:
         """True if ``obj`` is an array of this backend (or convertible without a copy)."""
@@ -52,14 +60,39 @@ class ArrayBackend(Protocol):
     def copy_into(self, dst: Array, src: Array) -> None:
         """``dst[...] = src`` for same-shaped arrays."""
 
-    def reduce_into(self, dst: Array, a: Array, b: Array, op: ReduceOp) -> None:
-        """``dst = a <op> b`` elementwise; ``dst`` may alias ``a`` or ``b``."""
+    def writes_through(self, arr: Array, obj: object) -> bool:
+        """True if writing into ``arr = asarray(obj)`` writes into ``obj``."""
+
+    def reduce_into(self, dst: Array, a: Array, b: Array, op: ReduceOp,
+                    factor: float = 1.0) -> None:
+        """``dst = (a <op> b) * factor`` elementwise; ``dst`` may alias ``a`` or ``b``."""
 
     def scale(self, arr: Array, factor: float) -> None:
         """Multiply ``arr`` by ``factor`` in place (integers: floor of the product)."""
+
+    def scale_into(self, dst: Array, src: Array, factor: float) -> None:
+        """``dst = src * factor`` (as :meth:`scale`); ``dst`` may be ``src``."""
+
+    def cast_into(self, dst: Array, src: Array) -> None:
+        """``dst = src`` converted to ``dst``'s dtype (fp16/bf16 compression and back)."""
+
+    def pack_into(self, dst: Array, parts: list[Array]) -> None:
+        """Copy flat ``parts`` one after the other into ``dst`` (the fusion buffer)."""
+
+    def unpack_from(self, src: Array, parts: list[Array]) -> None:
+        """Copy consecutive pieces of ``src`` into flat ``parts`` (undoes :meth:`pack_into`)."""
 
     def concatenate(self, arrays: list[Array]) -> Array:
         """Concatenate along axis 0."""
 
     def synchronize(self, stream: Any = None) -> None:
         """Block until queued work on ``stream`` is done so MPI may touch the memory."""
+
+    def scope(self, obj: object, stream: Any = None) -> ContextManager[None]:
+        """Run a collective on ``obj``'s device with ``stream`` (None: the current one)."""
+
+    def device_id(self) -> int:
+        """The current device number (plans are kept per device); -1 for host memory."""
+
+    def device(self) -> Any:
+        """The current device as a :class:`~.device.Device` (device backends only)."""

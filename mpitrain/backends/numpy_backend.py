@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class NumpyBackend:
     """The host-memory backend."""
 
     name = "numpy"
+    is_device = False
 
     def owns(self, obj: object) -> bool:
         """True for numpy arrays and anything numpy wraps without a copy."""
@@ -67,8 +69,8 @@ class NumpyBackend:
         return np.ascontiguousarray(arr)
 
     def flat(self, arr: Array) -> np.ndarray[Any, Any]:
-        """A flat view of a contiguous array."""
-        return arr.reshape(-1)
+        """A flat view of a contiguous array (the array itself when already flat)."""
+        return arr if arr.ndim == 1 else arr.reshape(-1)
 
     def as_bytes(self, flat: Array) -> np.ndarray[Any, Any]:
         """A uint8 view of a flat contiguous array."""
@@ -78,9 +80,15 @@ class NumpyBackend:
         """``dst[...] = src``."""
         np.copyto(dst, src)
 
-    def reduce_into(self, dst: Array, a: Array, b: Array, op: ReduceOp) -> None:
-        """``dst = a <op> b`` elementwise."""
+    def writes_through(self, arr: Array, obj: object) -> bool:
+        """True if ``arr`` is ``obj`` or a view numpy made of an array subclass."""
+        return arr is obj or isinstance(obj, type(arr))
+
+    def reduce_into(self, dst: Array, a: Array, b: Array, op: ReduceOp,
+                    factor: float = 1.0) -> None:
+        """``dst = (a <op> b) * factor`` elementwise."""
         _UFUNCS[op](a, b, out=dst)
+        self.scale(dst, factor)
 
     def scale(self, arr: Array, factor: float) -> None:
         """Multiply in place; integer dtypes round toward minus infinity."""
@@ -91,9 +99,45 @@ class NumpyBackend:
         else:
             np.multiply(arr, factor, out=arr, casting="unsafe")
 
+    def scale_into(self, dst: Array, src: Array, factor: float) -> None:
+        """``dst = src * factor``."""
+        if dst is not src:
+            np.copyto(dst, src)
+        self.scale(dst, factor)
+
+    def cast_into(self, dst: Array, src: Array) -> None:
+        """``dst = src`` converted to ``dst``'s dtype (round to nearest even)."""
+        np.copyto(dst, src, casting="unsafe")
+
+    def pack_into(self, dst: Array, parts: list[Array]) -> None:
+        """Copy ``parts`` one after the other into ``dst``."""
+        start = 0
+        for part in parts:
+            dst[start:start + part.size] = part
+            start += part.size
+
+    def unpack_from(self, src: Array, parts: list[Array]) -> None:
+        """Copy consecutive pieces of ``src`` into ``parts``."""
+        start = 0
+        for part in parts:
+            part[...] = src[start:start + part.size]
+            start += part.size
+
     def concatenate(self, arrays: list[Array]) -> np.ndarray[Any, Any]:
         """Concatenate along axis 0."""
         return np.concatenate(arrays, axis=0)
 
     def synchronize(self, stream: Any = None) -> None:
         """Host memory is always ready."""
+
+    def scope(self, obj: object, stream: Any = None) -> ContextManager[None]:
+        """Nothing to set up for host memory; ``stream`` is ignored."""
+        return contextlib.nullcontext()
+
+    def device_id(self) -> int:
+        """-1: host memory."""
+        return -1
+
+    def device(self) -> Any:
+        """Host memory has no device."""
+        raise TypeError("numpy arrays live in host memory; there is no device to stage from")

@@ -63,13 +63,15 @@ class PeerState:
 
 
 def describe(rank: int, collective: str, seq: int, waited: float,
-             peers: list[PeerState] | None) -> str:
-    """The stall report of ``rank``: who has not arrived at its collective ``seq``."""
+             peers: list[PeerState] | None, blind: str = "") -> str:
+    """The stall report of ``rank``: who has not arrived at its collective ``seq``.
+
+    ``peers`` is None when no survey could be made, for the reason ``blind``.
+    """
     head = (f"rank {rank}: {collective} (collective #{seq} on this communicator) has "
             f"waited {waited:.1f} s")
     if peers is None:
-        return (head + " for other ranks; which ones have not arrived is unknown (the "
-                "stall inspector needs MPI.THREAD_MULTIPLE)")
+        return head + f" for other ranks; which ones have not arrived is unknown ({blind})"
     late = [p for p in peers if p.seq is not None and p.seq < seq]
     other = [p for p in peers if p.seq == seq and p.collective != collective]
     silent = [p.rank for p in peers if p.seq is None]
@@ -126,6 +128,7 @@ class Inspector:
         self.action = config.STALL_ACTION.get()
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.comm: MPI.Intracomm | None = None
+        self.stopped = ""  # why the daemon stopped serving this inspector
         if self.peers and (self.warning_s or self.timeout_s) and _SERVER.available():
             self.comm = transport.comm.Dup()
             self._query = np.zeros(1, np.int64)
@@ -149,13 +152,21 @@ class Inspector:
 
     # -- the main thread's side ---------------------------------------------------------
     def survey(self) -> list[PeerState] | None:
-        """Ask every other rank where it is; None if no daemon serves this process."""
-        if self.comm is None or not _SERVER.running():
+        """Ask every other rank where it is; None if no daemon serves this inspector."""
+        if self.comm is None or self.stopped or not _SERVER.running():
             return None
         survey = Survey()
         self._queue.append(survey)
         survey.done.wait(SURVEY_S + 1.0)
         return survey.result if survey.done.is_set() else None
+
+    def report(self, collective: str, seq: int, waited: float) -> str:
+        """:func:`describe` of this rank's stall, with a fresh survey."""
+        peers = self.survey()
+        blind = (f"the stall inspector stopped: {self.stopped}" if self.stopped else
+                 "the stall inspector needs MPI.THREAD_MULTIPLE" if self.comm is None else
+                 "the survey did not finish")
+        return describe(self.rank, collective, seq, waited, peers, blind)
 
     def close(self, free: bool = True) -> None:
         """Stop serving and (if ``free``) release the inspector communicator."""
@@ -211,13 +222,12 @@ class Inspector:
         seq, collective = t.seq, t.current
         if self.warning_s and not self._warned and waited >= self.warning_s:
             self._warned = True
-            self._queue.append(Survey(lambda peers: log.warning(
-                "mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
-                "mpitrain.StallError.", describe(self.rank, collective, seq, waited, peers))))
+            self._queue.append(Survey(lambda peers: warn(
+                describe(self.rank, collective, seq, waited, peers))))
         if (self.timeout_s and self.action == "abort" and not self._aborting
                 and waited >= self.timeout_s):
             self._aborting = True
-            self._queue.append(Survey(lambda peers: _abort(
+            self._queue.append(Survey(lambda peers: abort(
                 describe(self.rank, collective, seq, waited, peers))))
 
     def _progress(self, now: float) -> None:
@@ -251,7 +261,13 @@ class Inspector:
                 survey.on_done(survey.result)
 
 
-def _abort(message: str) -> None:
+def warn(report: str) -> None:
+    """Log the stall report of :func:`describe` as a warning."""
+    log.warning("mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
+                "mpitrain.StallError.", report)
+
+
+def abort(message: str) -> None:
     """MPITRAIN_STALL_ACTION=abort: print the stall report and end the whole job."""
     sys.stderr.write(f"mpitrain {message}; aborting the job (MPITRAIN_STALL_ACTION=abort)\n")
     sys.stderr.flush()
@@ -301,6 +317,7 @@ class _Server:
                     except MPI.Exception as exc:  # a failed peer (ULFM) or a revoked comm
                         log.debug("mpitrain stall inspector of rank %d stops: %s",
                                   inspector.rank, exc)
+                        inspector.stopped = str(exc)
                         self.inspectors.remove(inspector)
 
     def stop(self) -> None:

@@ -6,8 +6,10 @@ mpitrain communicator). Algorithms only post non-blocking sends and receives of
 raw bytes to ranks of this communicator and wait for them, and run native MPI
 collectives through :meth:`Transport.collective`.
 
-Every wait goes through :meth:`Transport.wait`/:meth:`Transport.waitall`, which raise
-the ``waiting`` flag that the stall inspector (:mod:`.inspector`) watches. By default
+Every wait goes through :meth:`Transport.wait`/:meth:`Transport.waitall` (or the
+blocking :meth:`Transport.collective`, :meth:`Transport.send`, :meth:`Transport.recv`),
+which raise the ``waiting`` flag that the stall inspector (:mod:`.inspector`) watches;
+barriers of shared memory report to :meth:`Transport.watch`'s hook instead. By default
 they block inside MPI (nothing is added to the fast path but the flag). With a stall
 timeout and ``MPITRAIN_STALL_ACTION=raise`` the transport is *interruptible*: waits
 poll ``Test`` (spinning first, then sleeping a little), native collectives use their
@@ -19,12 +21,15 @@ so the transport is then *broken*: every later collective raises at once.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from mpi4py import MPI
 
 from ..errors import StallError
-from .inspector import Inspector, describe
+from .inspector import Inspector, abort, warn
+
+if TYPE_CHECKING:
+    from .shm import SharedMemory
 
 Request = MPI.Request
 
@@ -32,6 +37,47 @@ _SPIN_S = 0.002
 """An interruptible wait spins on Test this long before it starts to sleep."""
 _MAX_PAUSE_S = 0.005
 """Longest sleep between two Tests of an interruptible wait."""
+
+
+class PeerTransport(Protocol):
+    """What an algorithm may use: its ring neighbours and non-blocking byte messages.
+
+    :class:`Transport` is the host one; :mod:`.staging` has the device ones.
+    """
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    left: int
+    right: int
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        """Start sending ``buf``; returns a request with ``Wait()``."""
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        """Start receiving into ``buf``; returns a request with ``Wait()``."""
+
+    def forward(self, request: Any, buf: Any, dest: int, tag: int) -> Any:
+        """Send on what the waited receive ``request`` wrote into ``buf``."""
+
+    def wait(self, request: Any) -> None:
+        """Wait for one request."""
+
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+
+    def waitall(self, requests: Sequence[Any]) -> None:
+        """Wait for every request that is not ``None``."""
+
+    def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
+                   *args: Any) -> None:
+        """Run a native MPI collective on the private communicator."""
 
 
 class Transport:
@@ -74,6 +120,10 @@ class Transport:
         if self.inflight:
             self.inflight.clear()
 
+    def forward(self, request: Request, buf: Any, dest: int, tag: int) -> Request:
+        """Send on what the completed receive ``request`` wrote into ``buf``."""
+        return self.isend(buf, dest, tag)
+
     def wait(self, request: Request) -> None:
         """Wait for one request."""
         self.waiting = True
@@ -84,6 +134,19 @@ class Transport:
                 request.Wait()
         finally:
             self.waiting = False
+
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self.collective(self.comm.Send, self.comm.Isend, buf, dest, tag)
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+        self.collective(self.comm.Recv, self.comm.Irecv, buf, source, tag)
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.collective(self.comm.Sendrecv, self.comm.Isendrecv, sendbuf, dest, tag, recvbuf,
+                        source, tag)
 
     def waitall(self, requests: Sequence[Request | None]) -> None:
         """Wait for every request that is not ``None``."""
@@ -101,7 +164,7 @@ class Transport:
 
     def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Request],
                    *args: Any) -> None:
-        """Run a native MPI collective, e.g. ``collective(comm.Bcast, comm.Ibcast, buf, 0)``.
+        """Run a blocking MPI call: ``collective(comm.Bcast, comm.Ibcast, buf, 0)``.
 
         The blocking variant is faster for small messages (Open MPI's non-blocking
         collectives are a separate, slower implementation); an interruptible transport
@@ -115,6 +178,29 @@ class Transport:
             blocking(*args)
         finally:
             self.waiting = False
+
+    def watch(self, shm: SharedMemory) -> None:
+        """Report stalls in the barriers of ``shm``, which spin on memory, not in MPI."""
+        limits = [s for s in (self.inspector.warning_s, self.inspector.timeout_s) if s > 0]
+        if limits:
+            shm.stall_seconds = min(limits) / 4
+            shm.stall_hook = self._shm_stalled
+            self._shm_seq, self._shm_since, self._shm_warned = -1, 0.0, False
+
+    def _shm_stalled(self, waited: float, missing: list[int]) -> None:
+        """``shm``'s hook: ``waited`` s more in a barrier that ``missing`` have not reached."""
+        now = time.monotonic()
+        if self._shm_seq != self.seq:
+            self._shm_seq, self._shm_since, self._shm_warned = self.seq, now - waited, False
+        total = now - self._shm_since
+        ins = self.inspector
+        if ins.timeout_s and total >= ins.timeout_s:
+            if ins.action == "abort":
+                abort(ins.report(self.current, self.seq, total))
+            raise self._stall(total)
+        if ins.warning_s and total >= ins.warning_s and not self._shm_warned:
+            self._shm_warned = True
+            warn(ins.report(self.current, self.seq, total))
 
     def free(self) -> None:
         """Release the private communicator (collective)."""
@@ -147,8 +233,7 @@ class Transport:
                 pause = min(2 * pause + 1e-5, _MAX_PAUSE_S)
 
     def _stall(self, waited: float) -> StallError:
-        self.broken = describe(self.rank, self.current, self.seq, waited,
-                               self.inspector.survey())
+        self.broken = self.inspector.report(self.current, self.seq, waited)
         return StallError(f"{self.broken}. This communicator is now unusable: messages of the "
                        "interrupted collective may still be in flight, and every later call on "
                        "it raises StallError. Create a new mpitrain.Communicator (or call "

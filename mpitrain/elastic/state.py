@@ -160,7 +160,7 @@ class State:
         self._commits += 1
         self._snapshot = self.capture()
         if self._checkpoint and self._commits % self._every == 0:
-            from .. import checkpoint  # type: ignore[attr-defined]
+            from .. import checkpoint
 
             checkpoint.save(self._checkpoint, {"commits": self._commits,
                                                "entries": to_arrays(self._snapshot)},
@@ -180,7 +180,7 @@ class State:
         """Adopt the newest durable checkpoint, if ``checkpoint`` has one (local, no MPI)."""
         if not self._checkpoint:
             return False
-        from .. import checkpoint  # type: ignore[attr-defined]
+        from .. import checkpoint
 
         path = checkpoint.latest(self._checkpoint)
         if path is None:

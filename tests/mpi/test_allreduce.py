@@ -7,14 +7,16 @@ import pytest
 from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
+from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
-ALGORITHMS = ["auto", "ring", "mpi"]
+ALGORITHMS = ["auto", *REGISTERED["allreduce"]]
+SEGMENTED = ["ring", "shm"]  # algorithms with a pipeline that MPITRAIN_SEGMENT_BYTES cuts
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
 
 def counts(size: int) -> list[int]:
-    """0, 1, fewer than ranks, not divisible by any rank count 2..5, and ~1e6."""
-    return sorted({0, 1, max(size - 1, 0), 1001, 1_000_003})
+    """0, 1, fewer than ranks, and not divisible by any rank count 2..5."""
+    return sorted({0, 1, max(size - 1, 0), 1001})
 
 
 @pytest.mark.mpi(min_size=1)
@@ -34,18 +36,43 @@ def test_allreduce_matches_reference(comm: mt.Communicator, algorithm: str, dtyp
         assert_equal_all_ranks(comm, z, expected, f"allreduce_ {algorithm} n={count}")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce_large(comm: mt.Communicator, algorithm: str) -> None:
+    """A buffer of ~200k elements: several segments or stripes per chunk."""
+    count = 200_003
+    for dtype, op in (("float32", mt.Sum), ("int16", mt.Max)):
+        x = crafted(comm.rank, count, dtype, op)
+        expected = reference(comm.size, count, dtype, op)
+        assert_equal_all_ranks(comm, comm.allreduce(x, op=op, algorithm=algorithm), expected,
+                               f"allreduce {algorithm} {dtype} n={count}")
+        assert_equal_all_ranks(comm, comm.allreduce_(x, op=op, algorithm=algorithm), expected,
+                               f"allreduce_ {algorithm} {dtype} n={count}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allreduce_million(comm: mt.Communicator) -> None:
+    x = crafted(comm.rank, 1_000_003, "float32", mt.Sum)
+    assert_equal_all_ranks(comm, comm.allreduce_(x), reference(comm.size, 1_000_003, "float32",
+                                                               mt.Sum), "allreduce_ 1e6")
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", SEGMENTED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ring_pipeline_segments(comm: mt.Communicator, env: pytest.MonkeyPatch,
-                                dtype: str) -> None:
-    """Tiny segments reach the multi-segment pipeline with uneven chunks."""
+def test_pipeline_segments(comm: mt.Communicator, env: pytest.MonkeyPatch, algorithm: str,
+                           dtype: str) -> None:
+    """Tiny segments reach the multi-segment pipeline (or stripes) with uneven chunks."""
     env.setenv("MPITRAIN_SEGMENT_BYTES", "24")
     for count in (comm.size - 1, 37, 1001):
         for op in (mt.Sum, mt.Product):
             x = crafted(comm.rank, count, dtype, op)
-            y = comm.allreduce(x, op=op, algorithm="ring")
+            y = comm.allreduce(x, op=op, algorithm=algorithm)
             assert_equal_all_ranks(comm, y, reference(comm.size, count, dtype, op),
-                                   f"segmented ring n={count} {op}")
+                                   f"segmented {algorithm} n={count} {op}")
+            comm.allreduce_(x, op=op, algorithm=algorithm)
+            assert_equal_all_ranks(comm, x, reference(comm.size, count, dtype, op),
+                                   f"segmented in-place {algorithm} n={count} {op}")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -71,7 +71,7 @@ Emulated = tuple[mt.Communicator, list[int]]
 
 def with_nodes(comm: MPI.Intracomm, ids: list[int]) -> mt.Communicator:
     """A communicator over ``comm`` whose nodes are the ranks with equal ``ids``."""
-    c = mt.Communicator(comm)
+    c = mt.Communicator(comm, shared_memory=False)  # emulated nodes share no memory
     c.topology.free()
     c.topology = Topology.from_node_ids(c.mpi_comm, ids[c.rank])
     return c
@@ -172,7 +172,7 @@ def test_auto_across_nodes(emulated: Emulated) -> None:
     every rank runs the same algorithm."""
     c, _ = emulated
     x = crafted(c.rank, 1 << 20, "float32", mt.Sum)
-    name = c._algorithm("allreduce", "auto", x.nbytes, NUMPY)
+    name = c._algorithm("allreduce", "auto", x.nbytes, NUMPY, x.dtype)
     assert_all_ranks(c, (name == "hierarchical") == (c.topology.node_count > 1), name)
     assert_all_ranks(c, len(set(c.allgather_object(name))) == 1, "ranks disagree")
     assert_equal_all_ranks(c, c.allreduce(x), reference(c.size, 1 << 20, "float32", mt.Sum),

@@ -299,8 +299,8 @@ def test_main_counts_a_wrong_mpitrain_result_and_fails(
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
     assert len(rows) == 4  # 8, 16, 32, 64 bytes
-    # columns: 5 fixed, then per variant: mpitrain (4), mpi (4), ratio
-    assert [(row[8], row[12], row[17], row[21]) for row in rows] == [("1", "0", "1", "0")] * 4
+    # columns: 5 fixed, then per variant: mpitrain (5), mpi (5), ratio
+    assert [(row[8], row[13], row[19], row[24]) for row in rows] == [("1", "0", "1", "0")] * 4
     assert "# Out of bounds values : 8 FAILED" in out
 
 
@@ -361,8 +361,8 @@ def test_table_row_shows_ratio_and_na() -> None:
                       result("mpi", True, 50.0)])
     row = line.split()
     assert row[:5] == ["96", "8", "float32", "sum", "-1"]
-    assert row[5] == "100.00" and row[9] == "250.00" and row[13] == "2.50"
-    assert row[14:18] == ["N/A"] * 4 and row[-1] == "N/A"
+    assert row[5] == "100.00" and row[10] == "250.00" and row[15] == "2.50"
+    assert row[16:21] == ["N/A"] * 5 and row[-1] == "N/A"
     titles = table.header()[2]
     assert titles.split()[1:] == [c.title for c in table.columns()]
     assert len(line) == len(titles)  # right-aligned under the titles

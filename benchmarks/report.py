@@ -1,0 +1,242 @@
+"""``python -m benchmarks.report DIR``: BENCHMARKS.md from the JSON files of ``make bench``.
+
+``make bench`` runs the harness once per collective and rank count and writes
+``DIR/<collective>-np<N>[-<kind>].json`` (and a PNG next to each). This module turns
+them into markdown: per run the exact command, a table of the median time of every
+implementation per size with the ratios against the baselines (``mpi/x`` above 1:
+``x`` is faster than native MPI), and a table of the performance targets with the
+worst measured ratio and whether it was met. The prose around the tables comes from
+a template whose ``{{results}}`` line is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KiB, MiB = 1 << 10, 1 << 20
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One harness run: its file's kind (``""``, ``inplace``, ``malloc``, ``overhead``)."""
+
+    collective: str
+    ranks: int
+    kind: str
+    path: str
+    doc: dict[str, Any]
+
+    @property
+    def labels(self) -> list[str]:
+        """Implementation labels in column order."""
+        return list(self.doc["settings"]["impls"])
+
+    def result(self, size: int, impl: str, inplace: bool = False) -> Row | None:
+        """The result of ``impl`` at ``size`` (``None`` if it did not run)."""
+        for r in self.doc["results"]:
+            if r["size"] == size and r["impl"] == impl and r["inplace"] == inplace:
+                return r  # type: ignore[no-any-return]
+        return None
+
+    def sizes(self) -> list[int]:
+        """Every size measured, ascending."""
+        return sorted({r["size"] for r in self.doc["results"]})
+
+
+def load(folder: str) -> list[Run]:
+    """Every ``<collective>-np<N>[-<kind>].json`` of ``folder``."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        stem = os.path.basename(path)[:-5]
+        parts = stem.split("-")
+        if len(parts) < 2 or not parts[1].startswith("np"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        runs.append(Run(parts[0], int(parts[1][2:]), "-".join(parts[2:]), path, doc))
+    return runs
+
+
+def human_size(nbytes: int) -> str:
+    """``4 B``, ``16 KiB``, ``256 MiB``."""
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:g} {name}"
+    return f"{nbytes} B"
+
+
+def human_time(us: float) -> str:
+    """Microseconds under 10 ms, else milliseconds."""
+    return f"{us:.1f} us" if us < 10_000 else f"{us / 1000:.1f} ms"
+
+
+def _short(label: str) -> str:
+    return label.replace("mpitrain:", "").replace("mpitrain", "auto")
+
+
+def _ours(run: Run) -> str:
+    """The label of mpitrain's automatic choice in ``run``."""
+    return "mpitrain:auto" if "mpitrain:auto" in run.labels else "mpitrain"
+
+
+def table(run: Run, inplace: bool = False) -> list[str]:
+    """Times of every implementation per size, baseline ratios, and bus bandwidths."""
+    ours = _ours(run)
+    labels = run.labels
+    baselines = [b for b in ("mpi", "gloo") if b in labels]
+    head = ["size", *[_short(label) for label in labels],
+            *[f"{b}/auto" for b in baselines], "busbw auto", "busbw mpi", "peak+ auto",
+            "peak+ mpi"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for size in run.sizes():
+        cells = [human_size(size)]
+        mine = run.result(size, ours, inplace)
+        for label in labels:
+            r = run.result(size, label, inplace)
+            cells.append(human_time(r["time_us"]) if r else "N/A")
+        for b in baselines:
+            r = run.result(size, b, inplace)
+            cells.append(f"{r['time_us'] / mine['time_us']:.2f}" if r and mine else "N/A")
+        native = run.result(size, "mpi", inplace)
+        for r in (mine, native):
+            cells.append(f"{r['busbw']:.2f}" if r else "N/A")
+        for r in (mine, native):
+            cells.append(f"{r['extra_mib']:.1f} MiB" if r and r.get("extra_mib", -1) >= 0
+                         else "N/A")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+@dataclass(frozen=True)
+class Target:
+    """A performance target: ``worst`` over its sizes must be at least ``goal``."""
+
+    text: str
+    collective: str
+    kind: str
+    lo: int
+    hi: int
+    goal: float
+    measure: Callable[[Run, int], float | None]
+    worst: Callable[[Sequence[float]], float] = min
+
+
+def speedup(baseline: str) -> Callable[[Run, int], float | None]:
+    """``baseline time / mpitrain auto time`` at a size."""
+    def ratio(run: Run, size: int) -> float | None:
+        ours, other = run.result(size, _ours(run)), run.result(size, baseline)
+        return other["time_us"] / ours["time_us"] if ours and other else None
+    return ratio
+
+
+def of_bound(run: Run, size: int) -> float | None:
+    """mpitrain auto's bus bandwidth as a fraction of the direct-read bound."""
+    ours = run.result(size, _ours(run))
+    machine = run.doc["machine"]
+    if not ours or "copy_gbps_all" not in machine:
+        return None
+    traffic = {"allreduce": 3 * run.ranks - 1, "reduce_scatter": run.ranks + 1,
+               "allgather": 2 * (run.ranks - 1)}[run.collective]
+    factor = {"allreduce": 2 * (run.ranks - 1) / run.ranks}.get(
+        run.collective, (run.ranks - 1) / run.ranks)
+    return float(ours["busbw"] / (machine["copy_gbps_all"] / traffic * factor))
+
+
+TARGETS = (
+    Target("allreduce >= 16 MiB: busbw >= 1.5x native", "allreduce", "", 16 * MiB, 1 << 40,
+           1.5, speedup("mpi")),
+    Target("allreduce 256 KiB - 4 MiB: >= 1.2x native", "allreduce", "", 256 * KiB,
+           4 * MiB, 1.2, speedup("mpi")),
+    Target("allreduce <= 16 KiB: latency <= 2x native (validation on)", "allreduce",
+           "overhead", 0, 16 * KiB, 0.5, speedup("mpi")),
+    Target("allreduce >= 64 MiB: >= 1.2x tuned native (malloc thresholds)", "allreduce",
+           "malloc", 64 * MiB, 1 << 40, 1.2, speedup("mpi")),
+    Target("reduce_scatter >= 1 MiB: >= 3x native Reduce_scatter_block", "reduce_scatter", "",
+           MiB, 1 << 40, 3.0, speedup("mpi")),
+    Target("allgather >= 1 MiB: >= 1.0x native Allgather", "allgather", "", MiB, 1 << 40, 1.0,
+           speedup("mpi")),
+    Target("allreduce, every size: faster than gloo", "allreduce", "", 0, 1 << 40, 1.0,
+           speedup("gloo")),
+    Target("reduce_scatter, every size: faster than gloo", "reduce_scatter", "", 0, 1 << 40,
+           1.0, speedup("gloo")),
+    Target("allgather, every size: faster than gloo", "allgather", "", 0, 1 << 40, 1.0,
+           speedup("gloo")),
+    Target("allreduce >= 16 MiB: >= 60% of the direct-read bound", "allreduce", "", 16 * MiB,
+           1 << 40, 0.6, of_bound),
+)
+
+
+def targets(runs: Sequence[Run]) -> list[str]:
+    """The targets table: per target and rank count, the worst value and the verdict."""
+    lines = ["| target | ranks | worst measured (size) | goal | met |", "|---|---|---|---|---|"]
+    for t in TARGETS:
+        for run in sorted((r for r in runs if r.collective == t.collective and r.kind == t.kind),
+                          key=lambda r: r.ranks):
+            values = [(v, s) for s in run.sizes() if t.lo <= s <= t.hi
+                      for v in [t.measure(run, s)] if v is not None]
+            if not values:
+                continue
+            value, size = min(values)
+            verdict = "yes" if value >= t.goal else f"no, {value / t.goal:.0%} of the goal"
+            shown = f"{value:.2f}" if t.measure is not of_bound else f"{value:.0%}"
+            goal = f"{t.goal:.2f}" if t.measure is not of_bound else f"{t.goal:.0%}"
+            lines.append(f"| {t.text} | {run.ranks} | {shown} ({human_size(size)}) | {goal} | "
+                         f"{verdict} |")
+    return lines
+
+
+def render(runs: Sequence[Run], outdir: str) -> list[str]:
+    """Every table, grouped by collective and rank count (links relative to ``outdir``)."""
+    out = ["## Targets", "",
+           "Ratios are `baseline time / mpitrain time` (above 1: mpitrain is faster); the "
+           "latency target is met when the ratio is at least 0.5 (mpitrain at most 2x "
+           "native's time).", "", *targets(runs), ""]
+    titles = {"": "", "inplace": ", in place", "malloc": ", tuned native malloc",
+              "overhead": ", small messages with and without validation"}
+    for run in sorted(runs, key=lambda r: (r.collective, r.ranks, r.kind)):
+        out += [f"## {run.collective}, {run.ranks} ranks{titles.get(run.kind, run.kind)}", "",
+                "```", run.doc["command"], "```", ""]
+        machine = run.doc["machine"]
+        if "copy_gbps_all" in machine:
+            out += [f"Memory copy bandwidth: {machine['copy_gbps_one']:.1f} GB/s one rank, "
+                    f"{machine['copy_gbps_all']:.1f} GB/s all ranks at once. "
+                    f"{run.doc['settings']['iters']} timed runs per size; time = max over "
+                    "ranks of each rank's median.", ""]
+        out += table(run, inplace=run.kind == "inplace")
+        png = os.path.splitext(run.path)[0] + ".png"
+        if os.path.exists(png):
+            out += ["", f"![{run.collective} {run.ranks} ranks]({os.path.relpath(png, outdir)})"]
+        out.append("")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write BENCHMARKS.md (or ``-o``) from the runs in ``DIR``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    p.add_argument("folder", help="directory of the JSON files of make bench")
+    p.add_argument("-t", "--template", default=os.path.join(os.path.dirname(__file__),
+                                                            "BENCHMARKS.template.md"))
+    p.add_argument("-o", "--output", default="BENCHMARKS.md")
+    a = p.parse_args(argv)
+    runs = load(a.folder)
+    if not runs:
+        print(f"no <collective>-np<N>.json files in {a.folder}", file=sys.stderr)
+        return 1
+    with open(a.template, encoding="utf-8") as f:
+        template = f.read()
+    body = "\n".join(render(runs, os.path.dirname(os.path.abspath(a.output))))
+    with open(a.output, "w", encoding="utf-8") as f:
+        f.write(template.replace("{{results}}", body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

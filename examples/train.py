@@ -1,0 +1,98 @@
+"""Train an MLP on scikit-learn's digits with PyTorch, data-parallel over MPI ranks.
+
+    mpirun -np 4 python examples/train.py [--epochs 20] [--checkpoint DIR] [--timeline t.json]
+
+A Horovod script in all but the import line: ``import mpitrain.torch as hvd``.
+Each rank trains on its shard of every epoch (DistributedSampler), gradients are
+averaged by hvd.DistributedOptimizer while backward runs, rank 0 draws the progress
+bar, and the epoch's loss/accuracy and the final test accuracy are averaged over
+all ranks' samples.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from common import ProgressBar, load_digits_split, parse_args, shard_test_set
+
+import mpitrain.torch as hvd
+from mpitrain import checkpoint, trainer
+
+
+def make_model() -> torch.nn.Module:
+    """64 pixels -> 128 -> 64 -> 10 classes."""
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                               torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], epochs=20, lr=2e-3)
+    hvd.init()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split()
+    x_train, x_test = torch.from_numpy(x_train).float(), torch.from_numpy(x_test).float()
+    y_train, y_test = torch.from_numpy(y_train), torch.from_numpy(y_test)
+
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=args.lr),
+                                         named_parameters=model.named_parameters())
+    sampler = trainer.DistributedSampler(len(x_train), seed=args.seed)
+    per_rank = max(1, args.batch_size // hvd.size())
+    torch.manual_seed(args.seed + hvd.rank())  # dropout masks differ by rank
+    first_epoch = 0
+    latest = checkpoint.latest(args.checkpoint) if args.checkpoint else None
+    if latest:
+        ckpt = hvd.load_checkpoint(latest, model, optimizer)
+        sampler.load_state_dict(ckpt.state["extra"]["sampler"])
+        first_epoch = ckpt.state["extra"]["epoch"] + 1
+        if hvd.rank() == 0:
+            print(f"resumed from {latest} (epoch {first_epoch} of {args.epochs})", flush=True)
+    else:  # start every rank from rank 0's weights and optimizer state
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if hvd.rank() == 0:
+        print(f"digits: {len(x_train)} training / {len(x_test)} test images, {hvd.size()} "
+              f"rank(s), batch {per_rank} per rank", flush=True)
+
+    for epoch in range(first_epoch, args.epochs):
+        model.train()
+        sampler.set_epoch(epoch)
+        order = torch.from_numpy(sampler.indices())
+        steps = len(order) // per_rank
+        bar = ProgressBar(epoch, args.epochs, steps, enabled=hvd.rank() == 0)
+        metrics = trainer.Metrics()
+        for step in range(steps):
+            idx = order[step * per_rank:(step + 1) * per_rank]
+            optimizer.zero_grad()
+            logits = model(x_train[idx])
+            loss = torch.nn.functional.cross_entropy(logits, y_train[idx])
+            loss.backward()
+            optimizer.step()
+            accuracy = (logits.argmax(1) == y_train[idx]).double().mean()
+            metrics.update(len(idx), loss=loss.item(), accuracy=accuracy.item())
+            bar.update(step + 1, loss.item())
+        epoch_avg = metrics.average()
+        bar.finish(f"loss {epoch_avg['loss']:.4f} accuracy {epoch_avg['accuracy']:.4f} "
+                   f"(averaged over {hvd.size()} rank(s))")
+        if args.checkpoint:
+            hvd.save_checkpoint(args.checkpoint, epoch, model, optimizer,
+                                extra={"epoch": epoch, "sampler": sampler.state_dict()})
+
+    model.eval()
+    xs, ys = shard_test_set(x_test, y_test, hvd.rank(), hvd.size())
+    with torch.no_grad():
+        correct = (model(xs).argmax(1) == ys).double().mean().item() if len(ys) else 0.0
+    test = trainer.average_metrics({"accuracy": correct}, weight=len(ys))
+    if hvd.rank() == 0:
+        print(f"test accuracy: {test['accuracy']:.4f} on {len(y_test)} held-out digits",
+              flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    np.seterr(all="raise")
+    main()

@@ -1,0 +1,170 @@
+"""Shared memory between the ranks of one node: slots, an arena, and a barrier.
+
+When every rank of a communicator is on one node, :class:`SharedMemory` maps one
+``MPI.Win.Allocate_shared`` window that every rank reads and writes directly:
+
+* ``flags``: one counter per rank. A rank *arrives* at barrier ``t`` by storing ``t``
+  in its counter and *waits* for ``t`` until every counter is at least ``t``. Counters
+  only grow, so one barrier per call is enough: nothing is ever reset.
+* ``headers`` and ``slots``: per parity (``t % 2``) and rank, a small int64 header
+  (``headers[parity, field, rank]``) and ``slot_bytes`` of payload. The validation
+  exchange writes a rank's fingerprint (and a small collective's whole input) there
+  before arriving, and every rank reads every slot after waiting.
+* ``arena``: per rank, ``arena_bytes`` for the stripes of large shared-memory
+  collectives (:mod:`mpitrain.algorithms.shared_memory`).
+
+The parity rule that makes one barrier per step safe: data for barrier ``t`` goes to
+parity ``t % 2`` after this rank has waited for ``t - 1``, and is read after waiting
+for ``t`` and before waiting for ``t + 2``. A rank that writes parity ``t % 2`` for
+``t`` has seen every rank arrive at ``t - 1``, so every rank has finished reading what
+was written for ``t - 2``.
+
+Stores are ordered before the counter store, and loads after the counter load, by
+``MPI_Win_sync`` (a full memory barrier in Open MPI and MPICH).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+HEADER_WORDS = 4
+"""int64 words of a slot header: fingerprint, row count, payload bytes, spare."""
+FP, ROWS, PAYLOAD = 0, 1, 2
+CACHE_LINE = 64
+
+StallHook = Callable[[float, list[int]], None]
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // CACHE_LINE) * CACHE_LINE
+
+
+class SharedMemory:
+    """The shared window of a single-node communicator (collective to create).
+
+    Args:
+        comm: the private communicator; every rank must be on this node.
+        slot_bytes: payload capacity of one rank's slot (per parity).
+        arena_bytes: size of one rank's arena.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, slot_bytes: int, arena_bytes: int) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        n = self.size
+        self.slot_bytes = _align(slot_bytes)
+        self.arena_bytes = _align(arena_bytes)
+        flags_bytes = _align(n * 8)
+        headers_bytes = _align(2 * n * HEADER_WORDS * 8)
+        slots_bytes = 2 * n * self.slot_bytes
+        total = flags_bytes + headers_bytes + slots_bytes + n * self.arena_bytes
+        self.win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=comm)
+        buf, _ = self.win.Shared_query(0)
+        raw: Any = np.frombuffer(buf, dtype=np.uint8, count=total)  # type: ignore[call-overload]
+        self.raw = raw
+        self.flags = memoryview(raw[:n * 8]).cast("q")
+        off = flags_bytes
+        self.headers = raw[off:off + 2 * n * HEADER_WORDS * 8].view(np.int64) \
+            .reshape(2, HEADER_WORDS, n)
+        off += headers_bytes
+        self.slots = raw[off:off + slots_bytes].reshape(2, n, self.slot_bytes)
+        off += slots_bytes
+        self.arena = raw[off:off + n * self.arena_bytes].reshape(n, self.arena_bytes)
+        # Per parity, every rank's fingerprint as a memoryview (fast to compare), and the
+        # whole header as a flat memoryview: field f of rank r is at f * n + r.
+        self.fingerprints = [memoryview(self.headers[p, FP]) for p in range(2)]
+        self.header_words = [memoryview(self.headers[p].reshape(-1)) for p in range(2)]
+        self.win.Lock_all()
+        if self.rank == 0:
+            raw[:flags_bytes + headers_bytes] = 0
+        self.win.Sync()
+        comm.Barrier()
+        self.win.Sync()
+        self.seq = 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.oversubscribed = n > cores
+        self.stall_hook: StallHook | None = None
+        self.stall_seconds = 60.0
+
+    @property
+    def next_parity(self) -> int:
+        """The parity of the next barrier: where data for it goes."""
+        return (self.seq + 1) & 1
+
+    def arrive(self) -> int:
+        """Publish everything written so far and arrive at the next barrier; returns it."""
+        self.seq += 1
+        self.win.Sync()
+        self.flags[self.rank] = self.seq
+        return self.seq
+
+    def wait(self, target: int) -> None:
+        """Block until every rank has arrived at barrier ``target``."""
+        flags = self.flags
+        if min(flags) < target:
+            self._poll(target)
+        self.win.Sync()
+
+    def barrier(self) -> int:
+        """Arrive at the next barrier and wait for it; returns the barrier's number."""
+        t = self.arrive()
+        self.wait(t)
+        return t
+
+    def _poll(self, target: int) -> None:
+        flags = self.flags
+        yield_ = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
+        spin = not self.oversubscribed
+        polls = 0
+        start = 0.0
+        while min(flags) < target:
+            polls += 1
+            if not spin or polls > 64:
+                yield_()
+            if polls & 0x3FFF == 0:
+                now = time.monotonic()
+                if start == 0.0:
+                    start = now
+                elif self.stall_hook is not None and now - start >= self.stall_seconds:
+                    self.stall_hook(now - start, self.missing(target))
+                    start = now
+
+    def missing(self, target: int) -> list[int]:
+        """Ranks that have not arrived at barrier ``target`` yet."""
+        return [r for r, f in enumerate(self.flags) if f < target]
+
+    def slot(self, parity: int, rank: int) -> Any:
+        """The payload bytes of ``rank``'s slot at ``parity``."""
+        return self.slots[parity, rank]
+
+    def free(self) -> None:
+        """Release the window (collective)."""
+        if self.win != MPI.WIN_NULL:
+            self.win.Unlock_all()
+            self.win.Free()
+
+
+def create(comm: MPI.Intracomm, single_node: bool, enabled: bool, slot_bytes: int,
+           arena_bytes: int) -> SharedMemory | None:
+    """A :class:`SharedMemory` for ``comm`` if every rank agrees it can have one.
+
+    Collective. Returns ``None`` on every rank when shared memory is disabled on any
+    rank, the ranks span several nodes, or the window cannot be allocated anywhere.
+    """
+    wanted = bool(single_node and enabled and comm.Get_size() > 1)
+    if not comm.allreduce(wanted, op=MPI.LAND):
+        return None
+    shm: SharedMemory | None
+    try:
+        shm = SharedMemory(comm, slot_bytes, arena_bytes)
+    except MPI.Exception:
+        shm = None
+    if not comm.allreduce(shm is not None, op=MPI.LAND):
+        if shm is not None:
+            shm.free()
+        return None
+    return shm

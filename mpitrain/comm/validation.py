@@ -1,0 +1,185 @@
+"""Cross-rank validation: every collective's arguments agree on every rank before data moves.
+
+A call's :class:`Signature` holds what every rank must agree on (collective, op, dtype,
+shape, root, scaling, name and algorithm) and a 63-bit *fingerprint* of it. Before any
+data message, the :class:`Validator` exchanges one fixed-size header per rank,
+``[fingerprint, rows, payload bytes, 0]``:
+
+* on one node, through the shared-memory slots of :mod:`.shm` (one barrier; a small
+  collective's input can ride in the same slot, so validating costs nothing extra);
+* otherwise, with one ``MPI_Allgather`` of the headers on the private communicator.
+
+The header has the same size on every rank whatever the call, so a disagreement can
+never truncate or mismatch a message: it shows as different fingerprints, which every
+rank sees. Only then are the full signatures gathered (``allgather`` of objects) to
+name the ranks and both values, and :class:`~mpitrain.MismatchError` is raised on
+every rank; every rank has left the exchange, so the communicator stays usable.
+
+Allgather's per-rank row counts travel in the same header, so it needs no second
+exchange.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import MismatchError
+from .shm import FP, HEADER_WORDS, PAYLOAD, ROWS, SharedMemory
+from .transport import Transport
+
+NO_PAYLOAD = -1
+_FP_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What every rank must agree on for one collective call.
+
+    ``shape`` is the whole shape, except for allgather whose axis 0 may differ: there
+    it is the trailing shape and ``rows_vary`` is set.
+    """
+
+    collective: str
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    rows_vary: bool
+    root: int
+    prescale: float
+    postscale: float
+    name: str
+    algorithm: str
+    fingerprint: int
+
+    def fields(self) -> dict[str, str]:
+        """The human-readable values of every checked field, by field name."""
+        dims = ", ".join(str(d) for d in self.shape)
+        if self.rows_vary:
+            dims = "*" + (", " + dims if dims else "")
+        return {
+            "collective": self.collective,
+            "buffer": f"{self.dtype}[{dims}]" if self.dtype else "",
+            "op": self.op,
+            "root": str(self.root) if self.root >= 0 else "",
+            "scaling": (f"prescale {self.prescale:g} postscale {self.postscale:g}"
+                        if self.dtype else ""),
+            "name": repr(self.name) if self.name else "",
+            "algorithm": self.algorithm,
+        }
+
+
+@functools.lru_cache(maxsize=4096)
+def signature(collective: str, op: str = "", dtype: str = "", shape: tuple[int, ...] = (),
+              rows_vary: bool = False, root: int = -1, prescale: float = 1.0,
+              postscale: float = 1.0, name: str = "", algorithm: str = "") -> Signature:
+    """The (cached) :class:`Signature` of a call; its fingerprint is stable across hosts."""
+    text = repr((collective, op, dtype, shape, rows_vary, root, float(prescale),
+                 float(postscale), name, algorithm))
+    fp = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return Signature(collective, op, dtype, shape, rows_vary, root, float(prescale),
+                     float(postscale), name, algorithm, (fp & _FP_MASK) | 1)
+
+
+def mismatch_message(rank: int, fields: list[dict[str, str]]) -> str:
+    """Name the ranks that disagree with rank 0 and both values, for every differing field."""
+    parts = []
+    reference = fields[0]
+    same_kind = all(f["collective"] == reference["collective"] for f in fields)
+    keys = list(reference) if same_kind else ["collective"]
+    for key in keys:
+        value = reference[key]
+        odd: dict[str, list[int]] = {}
+        for r, f in enumerate(fields):
+            if f[key] != value:
+                odd.setdefault(f[key], []).append(r)
+        for other, ranks in odd.items():
+            who = (f"rank {ranks[0]}" if len(ranks) == 1
+                   else "ranks " + ", ".join(str(r) for r in ranks))
+            verb = "called" if key == "collective" else "sent"
+            label = "" if key in ("collective", "buffer") else f"{key} "
+            parts.append(f"{who} {verb} {label}{other or 'none'}, rank 0 {verb} "
+                         f"{label}{value or 'none'}")
+    what = (f"ranks disagree on {reference['collective']}'s arguments" if same_kind
+            else "ranks called different collectives")
+    return (f"rank {rank}: {what}: " + "; ".join(parts) + ". Every rank must call the same "
+            "collectives in the same order with the same dtype, shape, op, root, scaling, "
+            "name and algorithm")
+
+
+class Validator:
+    """The header exchange that starts every collective (collective to create).
+
+    Args:
+        transport: the private communicator's transport (MPI exchanges wait through it).
+        shm: the node's shared memory, or ``None`` to exchange with MPI.
+    """
+
+    def __init__(self, transport: Transport, shm: SharedMemory | None) -> None:
+        self.transport, self.comm, self.shm = transport, transport.comm, shm
+        self.rank, self.size = transport.rank, transport.size
+        self._mine = np.zeros(HEADER_WORDS, np.int64)
+        self._table = np.zeros((self.size, HEADER_WORDS), np.int64)
+        self.parity = 0
+
+    def exchange(self, sig: Signature | None, rows: int = 0, payload: int = NO_PAYLOAD) -> int:
+        """Publish this rank's header, wait for every rank's, and compare fingerprints.
+
+        Args:
+            sig: this call's signature; ``None`` skips the comparison (validation off).
+            rows: this rank's row count (allgather); see :meth:`rows`.
+            payload: bytes of input this rank left in its shared-memory slot, or
+                ``NO_PAYLOAD``; see :meth:`payloads`.
+
+        Returns:
+            The shared-memory parity of this exchange (the slots to read), or ``-1``.
+
+        Raises:
+            MismatchError: on every rank, if any two fingerprints differ.
+        """
+        fp = sig.fingerprint if sig is not None else 0
+        shm = self.shm
+        if shm is not None:
+            p = self.parity = shm.next_parity
+            words, r, n = shm.header_words[p], self.rank, self.size
+            words[FP * n + r] = fp
+            words[ROWS * n + r] = rows
+            words[PAYLOAD * n + r] = payload
+            shm.wait(shm.arrive())
+            if sig is not None:
+                fps = shm.fingerprints[p]
+                if min(fps) != max(fps):
+                    self._raise(sig)
+            return p
+        mine = self._mine
+        mine[FP], mine[ROWS], mine[PAYLOAD] = fp, rows, payload
+        self.transport.collective(self.comm.Allgather, self.comm.Iallgather, mine, self._table)
+        if sig is not None:
+            column = self._table[:, FP]
+            if column.min() != column.max():
+                self._raise(sig)
+        return -1
+
+    def check(self, sig: Signature) -> None:
+        """Validate a call whose data moves separately (:meth:`exchange` without payload)."""
+        self.exchange(sig)
+
+    def rows(self) -> list[int]:
+        """Every rank's ``rows`` of the last exchange."""
+        col = self.shm.headers[self.parity, ROWS] if self.shm is not None \
+            else self._table[:, ROWS]
+        return col.tolist()
+
+    def payloads(self) -> Any:
+        """Every rank's ``payload`` of the last exchange (an int64 array)."""
+        if self.shm is not None:
+            return self.shm.headers[self.parity, PAYLOAD]
+        return self._table[:, PAYLOAD]
+
+    def _raise(self, sig: Signature) -> None:
+        fields = self.comm.allgather(sig.fields())
+        raise MismatchError(mismatch_message(self.rank, fields))

@@ -1,0 +1,446 @@
+"""The async engine: a progress thread that negotiates, fuses and runs collectives.
+
+Calls like ``comm.allreduce_async(x)`` check their arguments on the caller's thread
+(local misuse raises there, at once), queue a :class:`~.request.Request` and wake the
+engine's progress thread, which loops over *cycles*:
+
+1. take the requests submitted since the last cycle;
+2. agree with every rank on which names all ranks have submitted (:mod:`.negotiation`);
+3. fail the agreed names whose submissions disagree (:class:`~mpitrain.MismatchError`
+   on every rank, before any data moves);
+4. cut the others into buckets (:mod:`.fusion`) and run them, in the same order on
+   every rank;
+5. finish their handles.
+
+The thread works on its own :class:`~mpitrain.Communicator` (a duplicate of the
+caller's), so it never interferes with blocking calls the caller makes meanwhile, and
+it reuses that communicator's algorithm selection, plans and scaling. Blocking calls
+never go through the engine.
+
+With nothing in flight the thread sleeps on a condition variable until a submission
+or :meth:`Engine.stop` wakes it; a cycle that changed nothing (ranks waiting for each
+other's submissions) is followed by a pause of ``MPITRAIN_CYCLE_TIME_MS``, cut short
+by the next submission.
+
+:meth:`Engine.stop` is collective: the stop flag travels with the cycles, and the
+thread ends in the first cycle in which every rank has asked to stop, after running
+what all ranks submitted and failing what some rank never submitted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from mpi4py import MPI
+
+from .. import config, timeline
+from ..backends import backend_for
+from ..dtypes import check_dtype
+from ..errors import ArgumentError, CommunicationError, MismatchError
+from ..ops import ReduceOp, parse_op
+from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
+from .negotiation import Negotiator, Signatures
+from .request import Entry, Handle, Request
+
+if TYPE_CHECKING:
+    from ..comm.communicator import Communicator
+
+_SIGNATURE_CACHE_SIZE = 4096
+EXIT_TIMEOUT_S = 30.0
+"""How long interpreter exit waits for the other ranks to stop an engine not stopped
+by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
+
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+_lanes = iter(range(1, 1 << 30))
+
+
+@dataclass
+class EngineStats:
+    """Counters of an engine's work since it started.
+
+    Attributes:
+        cycles: negotiation cycles run.
+        operations: operations finished (with a result or an error).
+        collectives: collectives run for them (a fused bucket is one).
+        fused: arrays that went through a fusion buffer.
+        bytes: bytes of the arrays that were reduced, gathered or broadcast.
+    """
+
+    cycles: int = 0
+    operations: int = 0
+    collectives: int = 0
+    fused: int = 0
+    bytes: int = 0
+
+
+class Engine:
+    """The progress thread of one communicator and the submission calls that feed it.
+
+    Args:
+        owner: the communicator whose async calls this engine serves; the engine
+            duplicates it (collective).
+    """
+
+    def __init__(self, owner: Communicator) -> None:
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise CommunicationError(
+                f"rank {owner.rank}: async operations need MPI_THREAD_MULTIPLE, but MPI was "
+                "initialised with a lower thread level; leave mpi4py.rc.thread_level at its "
+                "default ('multiple')")
+        from ..comm.communicator import Communicator  # the comm layer imports this module
+
+        self.comm = Communicator(owner.mpi_comm)
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.stats = EngineStats()
+        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds())
+        self._runner = BucketRunner(self.comm)
+        self._lane = next(_lanes)
+        self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
+        self._cond = threading.Condition(threading.Lock())
+        self._incoming: list[Request] = []
+        self._in_flight: set[str] = set()
+        self._counters: dict[str, int] = {}
+        self._checked: set[tuple[Any, str | None]] = set()
+        self._signatures: dict[tuple[Any, ...], tuple[str, str]] = {}
+        self._stopping = False
+        self._closed: str | None = None  # why new submissions are refused
+        self._pending: dict[str, Request] = {}  # progress thread only
+        self._running: list[Request] = []  # this cycle's submissions (progress thread only)
+        self._finished = False
+        self._freed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"mpitrain-engine-{self._lane}-rank{self.rank}")
+        self._thread.start()
+        _LIVE.add(self)
+
+    # -- submission (caller's thread) -------------------------------------------------
+    def allreduce(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
+                  postscale: float, algorithm: str | None, inplace: bool) -> Handle:
+        """Queue an allreduce of ``x`` (in place if ``inplace``)."""
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
+        entry = self._entry(x, "allreduce_async_" if inplace else "allreduce_async", inplace,
+                            rop)
+        algo = self._check_algorithm("allreduce", algorithm, entry)
+        key = ("allreduce", rop.value, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
+        return self._submit("allreduce", name, key, [entry], rop, prescale, postscale, algo, 0,
+                            inplace)
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str, name: str | None,
+                          prescale: float, postscale: float, algorithm: str | None,
+                          inplace: bool) -> Handle:
+        """Queue one allreduce of every array of ``xs``, fused (one collective per dtype)."""
+        if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
+            raise ArgumentError(f"rank {self.rank}: grouped_allreduce needs a list of arrays, "
+                                f"got {type(xs).__name__}")
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
+        what = "grouped_allreduce_" if inplace else "grouped_allreduce"
+        entries = [self._entry(x, what, inplace, rop) for x in xs]
+        algo = self._check_algorithm("allreduce", algorithm, *entries)
+        arrays = tuple((e.dtype, e.array.shape) for e in entries)
+        key = ("grouped_allreduce", rop.value, None, arrays, prescale, postscale, algo, 0)
+        return self._submit("grouped_allreduce", name, key, entries, op=rop, prescale=prescale,
+                            postscale=postscale, algorithm=algo, inplace=inplace, grouped=True)
+
+    def allgather(self, x: Any, name: str | None, algorithm: str | None) -> Handle:
+        """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
+        entry = self._entry(x, "allgather_async", False, None)
+        algo = self._check_algorithm("allgather", algorithm, entry)
+        rows = (None, *entry.array.shape[1:])  # None: any number of rows
+        key = ("allgather", None, entry.dtype, rows, 1.0, 1.0, algo, 0)
+        return self._submit("allgather", name, key, [entry], algorithm=algo)
+
+    def broadcast(self, x: Any, root: int, name: str | None, algorithm: str | None,
+                  inplace: bool) -> Handle:
+        """Queue a broadcast of the root's ``x`` (into ``x`` itself if ``inplace``)."""
+        self.comm._check_root(root)
+        entry = self._entry(x, "broadcast_async_" if inplace else "broadcast_async", inplace,
+                            None)
+        algo = self._check_algorithm("broadcast", algorithm, entry)
+        key = ("broadcast", None, entry.dtype, entry.array.shape, 1.0, 1.0, algo, int(root))
+        return self._submit("broadcast", name, key, [entry], algorithm=algo, root=int(root),
+                            inplace=inplace)
+
+    def reduce_scatter(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
+                       postscale: float, algorithm: str | None) -> Handle:
+        """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
+        rop = op if isinstance(op, ReduceOp) else parse_op(op)
+        entry = self._entry(x, "reduce_scatter_async", False, rop)
+        if entry.array.ndim == 0:
+            raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "
+                                "0-d array; pass x.reshape(1) or a larger array")
+        algo = self._check_algorithm("reduce_scatter", algorithm, entry)
+        key = ("reduce_scatter", rop.value, entry.dtype, entry.array.shape, prescale, postscale,
+               algo, 0)
+        return self._submit("reduce_scatter", name, key, [entry], op=rop, prescale=prescale,
+                            postscale=postscale, algorithm=algo)
+
+    def _entry(self, x: Any, what: str, inplace: bool, op: ReduceOp | None) -> Entry:
+        be = backend_for(x)
+        arr = be.asarray(x)
+        if inplace:
+            if arr is not x and not isinstance(x, type(arr)):
+                raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
+                                    f"got {type(x).__name__}; use the out-of-place variant")
+            if not be.is_writeable(arr):
+                self.comm._check_writeable(be, arr, what)  # raises with the usual message
+        checked = (arr.dtype, op and op.value)
+        if checked not in self._checked:  # a dtype/op pair is checked once
+            if op is None:
+                check_dtype(arr.dtype, rank=self.rank)
+            else:
+                self.comm._check_reducible(arr, op)
+            self._checked.add(checked)
+        return Entry(arr, be, arr.dtype, x if inplace else None)
+
+    def _check_algorithm(self, collective: str, algorithm: str | None,
+                         *entries: Entry) -> str | None:
+        """The requested algorithm, checked; ``None`` (``MPITRAIN_ALGORITHM``, read when
+        the collective runs) if none was requested."""
+        if algorithm is None:
+            return None
+        name = algorithm.lower()
+        if name != "auto" and entries:
+            self.comm._algorithm(collective, name, 0, entries[0].backend, entries[0].dtype)
+        return name
+
+    def _signature(self, key: tuple[Any, ...], backend: str) -> tuple[str, str]:
+        """The signature text of a key and the fusion key of its arrays, built once per
+        distinct key (the fusion key is a string, so looking it up costs no hashing)."""
+        known = self._signatures.get((key, backend))
+        if known is None:
+            if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
+                self._signatures.clear()
+            _, op, dtype, _, prescale, postscale, algorithm, _ = key
+            fusion = fusion_key(backend, dtype, op, prescale, postscale, algorithm)
+            known = self._signatures[(key, backend)] = (describe(key), fusion)
+        return known
+
+    def _submit(self, kind: str, name: str | None, key: tuple[Any, ...], entries: list[Entry],
+                op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
+                algorithm: str | None = None, root: int = 0, inplace: bool = False,
+                grouped: bool = False) -> Handle:
+        signature, fusion = self._signature(key, entries[0].backend.name if entries else "")
+        with self._cond:
+            if self._closed is not None:
+                self._check_open()
+            if name is None:
+                number = self._counters.get(kind, 0)
+                self._counters[kind] = number + 1
+                name = f"{kind}.noname.{number}"
+            elif not isinstance(name, str) or not name:
+                raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, got "
+                                    f"{name!r}")
+            if name in self._in_flight:
+                raise ArgumentError(
+                    f"rank {self.rank}: an async operation named {name!r} is already in "
+                    "flight; wait for its handle before submitting that name again, or give "
+                    "this one another name")
+            request = Request(name, "allreduce" if grouped else kind, signature, entries,
+                              Handle(name), op, prescale, postscale, algorithm, root, inplace,
+                              grouped, fusion)
+            if not entries:  # an empty group: nothing to agree on or to move
+                request.handle._finish([], None)
+                return request.handle
+            self._in_flight.add(name)
+            self._incoming.append(request)
+            self._cond.notify()
+        return request.handle
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise CommunicationError(f"rank {self.rank}: cannot start an async operation: the "
+                                     f"engine {self._closed}")
+
+    # -- control ----------------------------------------------------------------------
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the engine (collective): finish or fail what is in flight, end the thread.
+
+        Returns:
+            False if the thread was still running after ``timeout`` seconds.
+        """
+        with self._cond:
+            self._stopping = True
+            self._closed = self._closed or "has been shut down"
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        if not self._freed:
+            self._freed = True
+            self.comm.free()
+        _LIVE.discard(self)
+        return True
+
+    def snapshot(self) -> EngineStats:
+        """A copy of the counters."""
+        return dataclasses.replace(self.stats)
+
+    # -- progress thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        progressed = True
+        try:
+            while not self._finished:
+                with self._cond:
+                    if not self._incoming:
+                        if not self._pending and not self._stopping:
+                            self._cond.wait_for(lambda: bool(self._incoming) or self._stopping)
+                        elif not progressed:
+                            self._cond.wait(self._cycle_seconds())
+                progressed = self._step()
+        except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
+            self._abort(exc)
+        finally:
+            tl = timeline.current()
+            if tl is not None:
+                tl.flush()
+
+    def _step(self) -> bool:
+        """Take the new submissions and run one cycle."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+            stopping = self._stopping
+        return self._cycle(incoming, stopping)
+
+    def _cycle(self, incoming: list[Request], stopping: bool) -> bool:
+        """Run one cycle; True if anything moved (on any rank)."""
+        self.stats.cycles += 1
+        agreement = self._negotiator.exchange([(r.name, r.signature) for r in incoming],
+                                              stopping, config.FUSION_THRESHOLD.get())
+        agreed_at = time.perf_counter()
+        tl = timeline.current()
+        self._running = incoming
+        if agreement.same:  # all of them, in submission order
+            runnable = incoming
+            ready = incoming
+        else:
+            pending, mismatched = self._pending, agreement.mismatched
+            for request in incoming:
+                pending[request.name] = request
+            ready = [pending.pop(name) for name in agreement.ready]
+            runnable = []
+            for request in ready:
+                if request.name in mismatched:
+                    request.error = MismatchError(self._mismatch(request.name,
+                                                                 mismatched[request.name]))
+                    self._finish(request)
+                else:
+                    runnable.append(request)
+        if tl is not None:
+            for request in ready:
+                request.agreed_at = agreed_at
+                tl.span(self._lane, self._lane_name, request.name, "QUEUE",
+                        request.handle.submitted_at, agreed_at)
+        for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
+            self._run(bucket, number, tl)
+        if agreement.all_stopped:
+            for request in list(self._pending.values()):
+                missing = self._negotiator.waiting_for(request.name)
+                request.error = CommunicationError(
+                    f"rank {self.rank}: the async engine was shut down before rank(s) "
+                    f"{missing} submitted {request.name!r}; every rank must submit each async "
+                    "operation before shutdown")
+                self._finish(request)
+            self._pending.clear()
+            self._finished = True
+        self._running = []
+        if tl is not None:
+            tl.flush()
+        return agreement.news or bool(agreement.ready)
+
+    def _run(self, bucket: Bucket, number: int, tl: timeline.Timeline | None) -> None:
+        error: BaseException | None = None
+        phases = []
+        try:
+            phases = self._runner.run(bucket)
+        except Exception as exc:  # e.g. an MPI error: every request of the bucket gets it
+            error = exc
+        self.stats.collectives += 1
+        self.stats.bytes += bucket.nbytes
+        if len(bucket.items) > 1:
+            self.stats.fused += len(bucket.items)
+        if tl is not None:
+            args = {"bucket": f"{self.stats.cycles}.{number}", "tensors": len(bucket.items),
+                    "bytes": bucket.nbytes}
+            for request in bucket.requests:
+                for phase, start, end in phases:
+                    tl.span(self._lane, self._lane_name, request.name, phase, start, end, args)
+        done = []
+        for request, _ in bucket.items:
+            if error is not None and request.error is None:
+                request.error = error
+            request.unfinished -= 1
+            if not request.unfinished:
+                done.append(request)
+        self._finish(*done)
+
+    def _finish(self, *requests: Request) -> None:
+        """Free the requests' names, then hand out their results (or errors)."""
+        with self._cond:
+            self._in_flight.difference_update([r.name for r in requests])
+        self.stats.operations += len(requests)
+        now = time.perf_counter()
+        for request in requests:
+            error = request.error
+            request.handle._finish(None if error is not None else request.result, error, now)
+
+    def _abort(self, exc: BaseException) -> None:
+        self._finished = True
+        with self._cond:
+            self._closed = f"failed: {exc!r}"
+            doomed = list(self._pending.values()) + self._incoming + [
+                r for r in self._running if not r.handle.done and r.name not in self._pending]
+            self._pending.clear()
+            self._incoming = []
+        for request in doomed:
+            error = CommunicationError(f"rank {self.rank}: the async engine failed while "
+                                       f"{request.name!r} was in flight: {exc!r}")
+            error.__cause__ = exc
+            request.error = error
+            self._finish(request)
+
+    def _mismatch(self, name: str, signatures: Signatures) -> str:
+        first = signatures[0]
+        other = next(r for r in range(self.size) if signatures[r] != first)
+        return (f"rank {self.rank}: ranks submitted the async operation {name!r} with "
+                f"different arguments: rank 0 submitted {first}, rank {other} submitted "
+                f"{signatures[other]}; every rank must submit a name with the same kind, op, "
+                "dtype, shape, scaling and algorithm")
+
+    @staticmethod
+    def _cycle_seconds() -> float:
+        return config.CYCLE_TIME_MS.get() / 1000.0
+
+
+def describe(key: tuple[Any, ...]) -> str:
+    """What every rank's submission of a name must agree on, as text (also shown when
+    ranks disagree): ``allreduce sum float32[4, 5] prescale=1.0 postscale=1.0 algorithm=auto``.
+    """
+    kind, op, dtype, shape, prescale, postscale, algorithm, root = key
+    words = [kind] if op is None else [kind, op]
+    if kind == "broadcast":
+        words.append(f"root={root}")
+    if dtype is None:  # a group: (dtype, shape) of each array
+        words.append("[" + ", ".join(_array_text(d, s) for d, s in shape) + "]")
+    else:
+        words.append(_array_text(dtype, shape))
+    if op is not None:
+        words += [f"prescale={prescale!r}", f"postscale={postscale!r}"]
+    words.append(f"algorithm={algorithm or 'default'}")
+    return " ".join(words)
+
+
+def _array_text(dtype: Any, shape: tuple[int | None, ...]) -> str:
+    return f"{dtype}[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+@atexit.register
+def _stop_live_engines() -> None:
+    """At interpreter exit, stop engines the program did not stop (bounded wait)."""
+    for engine in list(_LIVE):
+        engine.stop(EXIT_TIMEOUT_S)

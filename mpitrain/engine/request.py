@@ -1,0 +1,130 @@
+"""What the engine queues: a :class:`Request` (one named operation) of :class:`Entry`
+arrays, and the :class:`Handle` the caller waits on.
+
+A request is created and checked on the caller's thread, then owned by the engine's
+progress thread until it finishes; the handle holds the request (and so its arrays)
+until then, and the result afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..backends import ArrayBackend
+from ..ops import ReduceOp
+
+
+class Handle:
+    """A collective in flight: ``wait()`` for its result, ``test()`` to poll it.
+
+    Attributes:
+        name: the operation's name (given, or ``"<kind>.noname.<n>"``).
+        submitted_at: ``time.perf_counter()`` when it was submitted.
+        started_at: when its collective began (``None`` before that).
+        finished_at: when its result was ready (``None`` before that).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.submitted_at: float = time.perf_counter()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self._done = False
+        self._unfinished = threading.Lock()  # held from creation until the result is set
+        self._unfinished.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._request: Request | None = None  # keeps the buffers alive until done
+
+    def wait(self) -> Any:
+        """Block until the operation is done and return its result (idempotent).
+
+        Raises the operation's error (e.g. :class:`~mpitrain.MismatchError`) instead,
+        on every rank, as often as it is called.
+        """
+        if not self._done:
+            with self._unfinished:
+                pass
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def test(self) -> bool:
+        """True once the operation is done (its result or error is ready); never blocks."""
+        return self._done
+
+    @property
+    def done(self) -> bool:
+        """Same as :meth:`test`."""
+        return self._done
+
+    def _finish(self, result: Any, error: BaseException | None,
+                now: float | None = None) -> None:
+        self.finished_at = time.perf_counter() if now is None else now
+        self._result, self._error = result, error
+        self._request = None
+        self._done = True
+        self._unfinished.release()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done else "pending"
+        return f"<mpitrain.Handle {self.name!r} {state}>"
+
+
+class Entry:
+    """One array of a request.
+
+    Attributes:
+        array: the caller's array: the input, and the output of an in-place operation.
+        backend: the array library of ``array``.
+        dtype: its element type.
+        output: the result once computed (the caller's object for in-place operations).
+        count: number of elements.
+        nbytes: size in bytes.
+    """
+
+    __slots__ = ("array", "backend", "count", "dtype", "nbytes", "output")
+
+    def __init__(self, array: Any, backend: ArrayBackend, dtype: np.dtype[Any],
+                 output: Any = None) -> None:
+        self.array, self.backend, self.dtype, self.output = array, backend, dtype, output
+        self.count: int = array.size
+        self.nbytes: int = self.count * dtype.itemsize
+
+
+class Request:
+    """One named operation: what every rank must submit under ``name``.
+
+    ``signature`` is the text every rank's submission of ``name`` must agree on (kind,
+    op, dtype, shape, scaling, algorithm, root); it doubles as the error message when
+    ranks disagree. A grouped allreduce is one request of several entries.
+    """
+
+    __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "grouped", "handle",
+                 "inplace", "kind", "name", "op", "postscale", "prescale", "root", "signature",
+                 "unfinished")
+
+    def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
+                 handle: Handle, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
+                 postscale: float = 1.0, algorithm: str | None = None, root: int = 0,
+                 inplace: bool = False, grouped: bool = False, fusion: str = "") -> None:
+        self.name, self.kind, self.signature = name, kind, signature
+        self.entries, self.handle = entries, handle
+        self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
+        self.fusion = fusion  # allreduces with equal fusion keys may share a buffer
+        self.agreed_at = 0.0  # when every rank had submitted it
+        self.unfinished = len(entries)  # entries whose bucket has not run yet
+        self.error: BaseException | None = None
+        handle._request = self
+
+    @property
+    def result(self) -> Any:
+        """What ``wait()`` returns: the output, or the list of outputs of a group."""
+        if self.grouped:
+            return [e.output for e in self.entries]
+        return self.entries[0].output

@@ -1,0 +1,610 @@
+"""Horovod's ``horovod.torch`` operations on torch tensors, over mpitrain.
+
+Every collective goes through the async engine of the default communicator
+(:func:`mpitrain.init`): operations are matched across ranks by name (unnamed ones
+by order of submission), ranks whose calls disagree (shapes, dtypes, ops) get a
+:class:`~mpitrain.MismatchError` (a ``RuntimeError``) on every rank, and local misuse
+is a ``ValueError``/``TypeError`` raised at once. Tensors reach the comm layer as
+zero-copy views (:mod:`.tensors`), so in-place operations write into the tensor's own
+memory.
+
+Async calls return an integer handle, as in Horovod: :func:`poll` tests it,
+:func:`synchronize` waits and returns the output tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpitrain as mt
+
+from ..errors import ArgumentError, MismatchError
+from ..ops import ReduceOp
+from ..trainer.compression import Compression
+from ..trainer.reducer import Adasum, check_op
+from .tensors import as_buffer, from_buffer
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+_JOIN_TAG = 0x4A4F  # on the adapter's own duplicate communicator
+
+
+# -- initialisation and identity ----------------------------------------------------
+@dataclass
+class _Control:
+    """The adapter's own duplicate communicator (alltoall, join) and its owner."""
+
+    owner: mt.Communicator
+    comm: MPI.Intracomm
+
+
+_control_comm: _Control | None = None
+
+
+def init(comm: MPI.Intracomm | None = None) -> None:
+    """Initialise mpitrain over ``comm`` (default ``MPI.COMM_WORLD``); idempotent."""
+    mt.init(comm)
+
+
+def shutdown() -> None:
+    """Finish the engine and release mpitrain's communicators; :func:`init` may follow."""
+    global _control_comm
+    with _lock:
+        _ops.clear()
+    if _control_comm is not None:
+        _control_comm.comm.Free()
+        _control_comm = None
+    mt.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return mt.is_initialized()
+
+
+def size() -> int:
+    """Number of ranks."""
+    return mt.size()
+
+
+def rank() -> int:
+    """This process's rank."""
+    return mt.rank()
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return mt.local_size()
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node."""
+    return mt.local_rank()
+
+
+def cross_size() -> int:
+    """Number of nodes (ranks sharing this local rank)."""
+    return mt.cross_size()
+
+
+def cross_rank() -> int:
+    """This node's index (rank among the ranks sharing this local rank)."""
+    return mt.cross_rank()
+
+
+def mpi_threads_supported() -> bool:
+    """True if MPI runs with ``MPI_THREAD_MULTIPLE`` (the engine needs it)."""
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def mpi_enabled() -> bool:
+    """Always True: mpitrain runs over MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """Always True: mpitrain runs over MPI."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """Always False: there is no Gloo controller."""
+    return False
+
+
+def gloo_built() -> bool:
+    """Always False: there is no Gloo controller."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: mpitrain has no NCCL operations (GPU tensors go through MPI)."""
+    return 0
+
+
+def _comm() -> mt.Communicator:
+    return mt.default_communicator()
+
+
+def _control() -> MPI.Intracomm:
+    """The adapter's duplicate communicator, created (collectively) on first use."""
+    global _control_comm
+    owner = _comm()
+    if _control_comm is None or _control_comm.owner is not owner:
+        _control_comm = _Control(owner, owner.mpi_comm.Dup())
+    return _control_comm.comm
+
+
+# -- handles --------------------------------------------------------------------------
+@dataclass
+class _Op:
+    handles: list[Any]  # engine handles
+    finish: Callable[[], Any]  # waits; returns the output
+
+
+_ops: dict[int, _Op] = {}
+_numbers = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _register(handles: list[Any], finish: Callable[[], Any]) -> int:
+    with _lock:
+        number = next(_numbers)
+        _ops[number] = _Op(handles, finish)
+    return number
+
+
+def _lookup(handle: int, pop: bool) -> _Op:
+    with _lock:
+        op = _ops.pop(handle, None) if pop else _ops.get(handle)
+    if op is None:
+        raise ArgumentError(f"rank {rank()}: {handle!r} is not the handle of an operation in "
+                            "flight (already synchronized, or not from this module)")
+    return op
+
+
+def poll(handle: int) -> bool:
+    """True once the operation of ``handle`` is done (never blocks)."""
+    return all(h.test() for h in _lookup(handle, pop=False).handles)
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its output tensor."""
+    return _lookup(handle, pop=True).finish()
+
+
+def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
+    """Horovod's ``op``/``average`` rule: ``average`` is the deprecated spelling."""
+    if op is not None and average is not None:
+        raise ArgumentError("The op parameter supersedes average; pass only one of them")
+    if op is None:
+        op = Sum if average is False else Average
+    return check_op(op)
+
+
+# -- allreduce ------------------------------------------------------------------------
+def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
+                     op: ReduceOp, prescale: float, postscale: float) -> int:
+    if output is not None:  # in place
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        handle = _comm().allreduce_async_(as_buffer(work), op, name, prescale, postscale)
+
+        def finish() -> torch.Tensor:
+            handle.wait()
+            if work is not tensor:
+                tensor.copy_(work)
+            return tensor
+        return _register([handle], finish)
+    handle = _comm().allreduce_async(as_buffer(tensor), op, name, prescale, postscale)
+    return _register([handle], lambda: from_buffer(handle.wait()))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> int:
+    """Start an allreduce into a new tensor; returns a handle for :func:`synchronize`."""
+    return _allreduce_async(tensor, None, name, _reduce_op(op, average), prescale_factor,
+                            postscale_factor)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0) -> int:
+    """Start an in-place allreduce of ``tensor``; returns a handle."""
+    return _allreduce_async(tensor, tensor, name, _reduce_op(op, average), prescale_factor,
+                            postscale_factor)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0) -> torch.Tensor:
+    """Allreduce ``tensor`` in place and return it (not differentiable)."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor))
+
+
+def _linear(op: ReduceOp, what: str) -> None:
+    if op not in (Sum, Average):
+        raise ArgumentError(f"the gradient of {what} is defined for op=Sum and op=Average, not "
+                            f"{op!r}; detach the tensor or use Sum/Average")
+
+
+class _Allreduce(torch.autograd.Function):
+    """Allreduce whose gradient is the allreduce (same op and scaling) of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale)
+        return synchronize(_allreduce_async(tensor, None, name, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        op, prescale, postscale = ctx.args
+        _linear(op, "allreduce")
+        reduced = synchronize(_allreduce_async(grad.contiguous(), None, None, op, prescale,
+                                               postscale))
+        return reduced, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks into a new tensor (differentiable).
+
+    Args:
+        tensor: any tensor; stays unchanged.
+        average: deprecated Horovod spelling of ``op`` (True: Average, False: Sum).
+        name: names the operation so ranks may submit in different orders.
+        compression: ``Compression.none``/``fp16``/``bf16``, applied around the reduction.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+    """
+    rop = _reduce_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    return compression.decompress(summed, ctx)
+
+
+def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
+                   op: ReduceOp, prescale: float, postscale: float) -> int:
+    tensors = list(tensors)
+    if not inplace:
+        handle = _comm().grouped_allreduce_async([as_buffer(t) for t in tensors], op, name,
+                                                 prescale, postscale)
+        return _register([handle], lambda: [from_buffer(r) for r in handle.wait()])
+    work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    handle = _comm().grouped_allreduce_async_([as_buffer(w) for w in work], op, name,
+                                              prescale, postscale)
+
+    def finish() -> list[torch.Tensor]:
+        handle.wait()
+        for t, w in zip(tensors, work):
+            if w is not t:
+                t.copy_(w)
+        return tensors
+    return _register([handle], finish)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start one fused allreduce of every tensor into new tensors; returns a handle."""
+    return _grouped_async(tensors, False, name, _reduce_op(op, average), prescale_factor,
+                          postscale_factor)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> int:
+    """Start one fused in-place allreduce of every tensor; returns a handle."""
+    return _grouped_async(tensors, True, name, _reduce_op(op, average), prescale_factor,
+                          postscale_factor)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Allreduce every tensor in place, fused; returns the tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    """Fused allreduce of several tensors; the gradients are allreduced the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale)
+        return tuple(synchronize(_grouped_async(tensors, False, name, op, prescale,
+                                                postscale)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        op, prescale, postscale = ctx.args
+        _linear(op, "grouped_allreduce")
+        reduced = synchronize(_grouped_async([g.contiguous() for g in grads], False, None, op,
+                                             prescale, postscale))
+        return (None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Allreduce every tensor in one fused operation into new tensors (differentiable)."""
+    rop = _reduce_op(op, average)
+    packed = [compression.compress(t) for t in tensors]
+    if not packed:
+        return []
+    reduced = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
+                                      *[c for c, _ in packed])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
+
+
+# -- allgather, broadcast, reducescatter ----------------------------------------------
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+    """Start an allgather (concatenation along dim 0); returns a handle."""
+    handle = _comm().allgather_async(as_buffer(tensor), name)
+    return _register([handle], lambda: from_buffer(handle.wait()))
+
+
+class _Allgather(torch.autograd.Function):
+    """Allgather; the gradient of a rank's rows is the sum over ranks of theirs."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.shape = tensor.shape
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0))
+        mine = ctx.shape[0] if len(ctx.shape) else 1
+        offset = sum(allgather_object(mine)[:rank()])
+        return summed.narrow(0, offset, mine).reshape(ctx.shape), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (which may differ by rank).
+
+    Differentiable: the gradient of this rank's rows is the sum of every rank's
+    gradient for them.
+    """
+    return _Allgather.apply(tensor, name)
+
+
+def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
+                     inplace: bool) -> int:
+    if not inplace:
+        handle = _comm().broadcast_async(as_buffer(tensor), root_rank, name)
+        return _register([handle], lambda: from_buffer(handle.wait()))
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    handle = _comm().broadcast_async_(as_buffer(work), root_rank, name)
+
+    def finish() -> torch.Tensor:
+        handle.wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+    return _register([handle], finish)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start a broadcast of the root's ``tensor`` into a new tensor; returns a handle."""
+    return _broadcast_async(tensor, root_rank, name, inplace=False)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start an in-place broadcast of the root's ``tensor``; returns a handle."""
+    return _broadcast_async(tensor, root_rank, name, inplace=True)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with the root's and return it (not differentiable)."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+class _Broadcast(torch.autograd.Function):
+    """Broadcast; the root's gradient is the sum of every rank's, the others get zeros."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
+        ctx.root = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0))
+        return (summed if rank() == ctx.root else torch.zeros_like(summed)), None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Return the root's ``tensor`` on every rank, as a new tensor (differentiable)."""
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+def _scale_of(op: ReduceOp, prescale: float, postscale: float) -> float:
+    return prescale * postscale / (size() if op is Average else 1)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a reduce-scatter; the handle's output is this rank's block of dim 0."""
+    handle = _comm().reduce_scatter_async(as_buffer(tensor), check_op(op), name,
+                                          prescale_factor, postscale_factor)
+    return _register([handle], lambda: from_buffer(handle.wait()))
+
+
+class _Reducescatter(torch.autograd.Function):
+    """Reduce-scatter; the gradient is the allgather of the blocks' gradients, scaled."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale)
+        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        op, prescale, postscale = ctx.args
+        _linear(op, "reducescatter")
+        gathered = synchronize(allgather_async(grad.contiguous()))
+        return gathered * _scale_of(op, prescale, postscale), None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: Any = Compression.none, op: Any = Average,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over ranks and return this rank's block of dim 0 (differentiable).
+
+    With ``d`` rows, the first ``d % size`` ranks get ``d // size + 1`` rows, the others
+    ``d // size`` (Horovod's split). ``op`` defaults to Average, as in Horovod.
+    """
+    compressed, ctx = compression.compress(tensor)
+    block = _Reducescatter.apply(compressed, name, check_op(op), prescale_factor,
+                                 postscale_factor)
+    return compression.decompress(block, ctx)
+
+
+# -- alltoall -------------------------------------------------------------------------
+def _check_splits(tensor: torch.Tensor, splits: Any) -> np.ndarray[Any, Any]:
+    n = size()
+    if tensor.dim() == 0:
+        raise ArgumentError(f"rank {rank()}: alltoall splits dim 0, but got a 0-d tensor; "
+                            "pass tensor.reshape(1)")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ArgumentError(f"rank {rank()}: alltoall without splits needs dim 0 ({rows}) "
+                                f"divisible by the number of ranks ({n}); pass splits=")
+        return np.full(n, rows // n, dtype=np.int64)
+    counts = np.asarray(splits.cpu() if isinstance(splits, torch.Tensor) else splits)
+    if counts.shape != (n,) or counts.dtype.kind not in "iu" or np.any(counts < 0) \
+            or int(counts.sum()) != rows:
+        raise ArgumentError(f"rank {rank()}: alltoall splits must be {n} non-negative integers "
+                            f"summing to dim 0 ({rows}), got {counts.tolist()}")
+    return counts.astype(np.int64)
+
+
+def _alltoall(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    send_counts = _check_splits(tensor, splits)
+    ctrl = _control()
+    trailing = tuple(tensor.shape[1:])
+    kinds = ctrl.allgather((str(tensor.dtype), trailing))
+    if any(k != kinds[0] for k in kinds):
+        bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
+        raise MismatchError(f"rank {rank()}: alltoall needs the same dtype and trailing shape "
+                            f"on every rank, but rank {bad} sent {kinds[bad]} and rank 0 sent "
+                            f"{kinds[0]}")
+    recv_counts = np.empty_like(send_counts)
+    ctrl.Alltoall(send_counts, recv_counts)
+    device = tensor.device
+    source = tensor.detach().cpu().contiguous()  # the CPU tensor itself when it is one
+    output = torch.empty((int(recv_counts.sum()), *trailing), dtype=tensor.dtype)
+    row_bytes = int(np.prod(trailing, dtype=np.int64)) * tensor.element_size()
+    if row_bytes:
+        row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+        try:
+            ctrl.Alltoallv(
+                [as_buffer(source).reshape(-1).view(np.uint8),
+                 (send_counts, np.cumsum(send_counts) - send_counts), row],
+                [as_buffer(output).reshape(-1).view(np.uint8),
+                 (recv_counts, np.cumsum(recv_counts) - recv_counts), row])
+        finally:
+            row.Free()
+    return output.to(device), torch.from_numpy(recv_counts.astype(np.int32))
+
+
+class _Alltoall(torch.autograd.Function):
+    """Alltoall; the gradient travels back by the alltoall with the received splits."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any) -> Any:
+        output, received = _alltoall(tensor, splits)
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        back, _ = _alltoall(grad.contiguous(), ctx.received)
+        return back, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+    """Send ``splits[i]`` rows of ``tensor`` (dim 0, in order) to rank ``i``.
+
+    Args:
+        tensor: rows to distribute; trailing dims and dtype must agree across ranks.
+        splits: rows per destination rank (list or int tensor, summing to dim 0);
+            ``None`` sends equal parts (dim 0 must then be divisible by the rank count).
+        name: accepted for Horovod compatibility (the exchange is blocking).
+
+    Returns:
+        The received rows concatenated in rank order; with ``splits`` given, also an
+        int32 tensor of the rows received from each rank (as Horovod does).
+        Differentiable.
+    """
+    output, received = _Alltoall.apply(tensor, splits)
+    return output if splits is None else (output, received)
+
+
+# -- synchronisation and objects ------------------------------------------------------
+def barrier() -> None:
+    """Block until every rank has called :func:`barrier`."""
+    _comm().barrier()
+
+
+def join(device: int = -1) -> int:
+    """Block until every rank has joined; return the rank that joined last.
+
+    Ranks report to rank 0 as they join; the last report rank 0 receives decides.
+    Joined ranks do not take part in other ranks' collectives meanwhile, so every
+    rank must have finished its collectives before calling ``join`` (``device`` is
+    accepted for Horovod compatibility).
+    """
+    ctrl = _control()
+    me, n = ctrl.Get_rank(), ctrl.Get_size()
+    request = ctrl.isend(me, dest=0, tag=_JOIN_TAG)
+    last = me
+    if me == 0:
+        for _ in range(n):
+            last = ctrl.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG)
+    request.wait()
+    return int(ctrl.bcast(last, root=0))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return the root's ``obj`` (any picklable object) on every rank."""
+    return _comm().broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Return every rank's ``obj`` in rank order."""
+    return _comm().allgather_object(obj)
+
+
+__all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "cross_rank", "cross_size", "gloo_built", "gloo_enabled",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+]

@@ -1,0 +1,230 @@
+"""``hvd.DistributedOptimizer``: averages gradients while backward is still running.
+
+A wrapper *holding* the user's optimizer (composition, not Horovod's dynamic
+subclass): ``step()``, ``zero_grad()``, ``param_groups``, ``state``,
+``state_dict()``, ``load_state_dict()`` and every other attribute reach the wrapped
+optimizer, so scripts that do not test ``isinstance(opt, torch.optim.Optimizer)``
+run unchanged. (Give LR schedulers the wrapped optimizer, ``opt.optimizer``: they
+check that type; both objects share ``param_groups``, so the schedule applies.)
+
+Each parameter gets a ``register_post_accumulate_grad_hook``: when autograd has
+accumulated its gradient, the hook tells the :class:`~mpitrain.trainer.GradientReducer`,
+which starts the in-place allreduce of ``p.grad`` at once (after
+``backward_passes_per_step`` passes), while backward goes on with earlier layers.
+``step()`` waits for all of them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+import mpitrain as mt
+
+from ..errors import ArgumentError
+from ..ops import ReduceOp
+from ..trainer.broadcast import broadcast_arrays, broadcast_tree
+from ..trainer.compression import Compression
+from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
+from .checkpoint import TENSORS
+from .tensors import as_buffer, from_buffer
+
+
+class TensorBridge:
+    """Gradients are ``p.grad`` tensors; sparse ones may be densified."""
+
+    def __init__(self, sparse_as_dense: bool) -> None:
+        self.sparse_as_dense = sparse_as_dense
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``p.grad`` (zeros if missing), as a dense contiguous tensor where required."""
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        g = param.grad
+        if g.is_sparse:
+            return g.to_dense() if self.sparse_as_dense else g
+        return g if g.is_contiguous() else g.contiguous()
+
+    def buffer(self, value: torch.Tensor) -> Any:
+        """A zero-copy view for the comm layer."""
+        return as_buffer(value)
+
+    def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the averaged gradient in ``p.grad`` (in place when layouts agree)."""
+        g = param.grad
+        if value is g:
+            return
+        if g is None or g.is_sparse or value.is_sparse:
+            param.grad = value
+        else:
+            g.copy_(value)
+
+
+class TensorReducer(GradientReducer[torch.Tensor]):
+    """The reducer with Horovod's sparse path: a sparse gradient is allgathered."""
+
+    def submit(self, group: list[torch.Tensor], grads: list[Any]) -> Submitted:
+        """Allgather sparse gradients (indices and values); allreduce dense ones."""
+        if not any(g.is_sparse for g in grads):
+            return super().submit(group, grads)
+        if len(group) > 1:
+            raise ArgumentError("sparse gradients cannot be in a group; pass "
+                                "sparse_as_dense=True or leave them out of groups")
+        if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ArgumentError(f"sparse gradients support op=Sum/Average, not {self.op!r}")
+        grad = grads[0].coalesce()
+        name = f"grad.{self._names[id(group[0])]}"
+        indices = self.comm.allgather_async(as_buffer(grad.indices().t().contiguous()),
+                                            f"{name}.indices")
+        values = self.comm.allgather_async(as_buffer(grad.values().contiguous()),
+                                           f"{name}.values")
+        average = self.op is ReduceOp.AVERAGE
+
+        def collect() -> list[Any]:
+            vals = from_buffer(values.wait())
+            idx = from_buffer(indices.wait()).t()
+            if average:
+                vals = vals / self.comm.size
+            return [torch.sparse_coo_tensor(idx, vals, grad.shape,
+                                            check_invariants=True).coalesce()]
+        return Submitted(list(group), [None], [indices, values], collect)
+
+
+class DistributedOptimizer(DistributedOptimizerBase):
+    """Horovod's ``DistributedOptimizer``: average gradients over ranks before ``step()``.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (or one with ``param_groups``).
+        named_parameters: ``model.named_parameters()``; names the allreduces (else
+            ``allreduce.noname.<group>.<index>``). Every optimized parameter must be named.
+        compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: backward passes accumulated locally per allreduce.
+        op: ``Average`` (default) or ``Sum`` (``Adasum``: NotImplementedError).
+        gradient_predivide_factor: ``1/f`` before the sum, ``f/size`` after it.
+        groups: ``None``, a group count, or lists of parameters allreduced together.
+        sparse_as_dense: allreduce sparse gradients as dense tensors (else they are
+            allgathered, as in Horovod).
+    """
+
+    def __init__(self, optimizer: Any, named_parameters: Iterable[Any] | None = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                 groups: Any = None, sparse_as_dense: bool = False) -> None:
+        self.optimizer = optimizer
+        self._options = dict(compression=compression,
+                             backward_passes_per_step=backward_passes_per_step, op=op,
+                             gradient_predivide_factor=gradient_predivide_factor,
+                             groups=groups)
+        self._bridge = TensorBridge(sparse_as_dense)
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(p, tuple) or len(p) != 2 for p in named):
+                raise ArgumentError("named_parameters should be a sequence of tuples (name, "
+                                    "parameter), usually produced by model.named_parameters()")
+            self._named: list[tuple[str, torch.Tensor]] | None = named
+        else:
+            self._named = None
+        self._hooked: set[int] = set()
+        self._build()
+
+    def _build(self) -> None:
+        """(Re)build the reducer over the optimizer's parameters and hook new ones."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self._named is None:
+            names = {id(p): f"allreduce.noname.{i}.{j}"
+                     for i, group in enumerate(self.optimizer.param_groups)
+                     for j, p in enumerate(group["params"])}
+        else:
+            names = {}
+            for name, p in self._named:
+                if id(p) in names or name in names.values():
+                    raise ArgumentError(f"Parameter names in named_parameters must be unique; "
+                                        f"found a duplicate: {name}")
+                names[id(p)] = name
+            unnamed = [p for p in params if id(p) not in names]
+            if unnamed:
+                raise ArgumentError(f"named_parameters was specified, but {len(unnamed)} "
+                                    "optimized parameter(s) are not named; pass "
+                                    "model.named_parameters() of the whole model")
+        updated = [(names[id(p)], p) for p in params if p.requires_grad]
+        self.reducer = TensorReducer(updated, self._bridge, **self._options)
+        me = weakref.ref(self)
+        for _, p in updated:
+            if id(p) not in self._hooked:
+                p.register_post_accumulate_grad_hook(_hook(me))
+                self._hooked.add(id(p))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (the same list)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's ``state``."""
+        return self.optimizer.state
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer and hook its parameters."""
+        if self.reducer.accumulating:
+            raise ArgumentError("add_param_group() between backward() and step(); call it "
+                                "after step()")
+        self.optimizer.add_param_group(group)
+        self._build()
+
+    def step(self, closure: Any = None) -> Any:
+        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step."""
+        self._before_step()
+        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; refused while allreduces are pending."""
+        self._check_zero_grad()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _hook(owner: weakref.ref[DistributedOptimizer]) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        optimizer = owner()
+        if optimizer is not None:  # an optimizer that was dropped leaves its hooks idle
+            optimizer.reducer.grad_ready(param)
+    return hook
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+    """Overwrite parameters (or any tensors) with the root's, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()``, or a list of
+            tensors or ``(name, tensor)`` pairs.
+        root_rank: the rank whose values every rank receives.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ArgumentError(f"invalid params of type: {type(params).__name__}; pass "
+                            "model.state_dict() or model.named_parameters()")
+    named = []
+    for i, (name, tensor) in enumerate(items):
+        if not isinstance(tensor, torch.Tensor):
+            raise ArgumentError(f"broadcast_parameters: {name or i!r} is a "
+                                f"{type(tensor).__name__}, not a tensor")
+        named.append((f"param.{name if name is not None else i}", as_buffer(tensor)))
+    broadcast_arrays(named, root=root_rank, comm=mt.default_communicator())
+
+
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
+    """Give every rank the root's optimizer state and hyper-parameters.
+
+    Works for any optimizer with ``state_dict()``/``load_state_dict()``, also when the
+    other ranks' state is still empty (state created lazily on the first step).
+    """
+    comm = mt.default_communicator()
+    state = broadcast_tree(optimizer.state_dict(), root=root_rank, comm=comm, kind=TENSORS,
+                           name="optimizer")
+    if comm.rank != root_rank:
+        optimizer.load_state_dict(state)

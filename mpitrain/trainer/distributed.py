@@ -1,0 +1,88 @@
+"""The numpy/cupy DistributedOptimizer: wraps any optimizer of the trainer protocol.
+
+See :mod:`mpitrain.trainer.optimizers` for the protocol and
+:mod:`mpitrain.trainer.reducer` for how gradients are averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import Communicator
+from ..ops import ReduceOp
+from .compression import Compression
+from .reducer import DistributedOptimizerBase, GradientReducer
+
+
+class ArrayBridge:
+    """Gradients are arrays in ``param.grad`` (numpy or cupy)."""
+
+    def grad(self, param: Any) -> Any:
+        """``param.grad``, created as zeros of ``param.data``'s shape when missing."""
+        if param.grad is None:
+            param.grad = param.data * 0
+        return param.grad
+
+    def buffer(self, value: Any) -> Any:
+        """Arrays go to the comm layer as they are."""
+        return value
+
+    def assign(self, param: Any, value: Any) -> None:
+        """Copy ``value`` into ``param.grad`` (keeping the array) unless it is that array."""
+        if value is not param.grad:
+            param.grad[...] = value
+
+
+class DistributedOptimizer(DistributedOptimizerBase):
+    """Average gradients over ranks before each ``step()`` of the wrapped optimizer.
+
+    Args:
+        optimizer: an optimizer of the trainer protocol (``.params`` with
+            ``.data``/``.grad``, ``step()``, ``zero_grad()``), e.g. :class:`SGD`.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: backward passes accumulated into ``.grad`` locally
+            before one allreduce.
+        op: ``mt.Average`` (default), ``mt.Sum``, ... (``Adasum``: NotImplementedError).
+        gradient_predivide_factor: Horovod's split of the averaging (``op=Average`` only).
+        groups: ``None``, a group count, or lists of parameters allreduced together.
+        comm: the communicator (default: that of :func:`mpitrain.init`).
+
+    Call :meth:`grad_ready` with each parameter as soon as its gradient is computed
+    (last layer first) to overlap the allreduces with the rest of the backward pass;
+    ``step()`` starts whatever was not started and waits for all of them.
+    """
+
+    def __init__(self, optimizer: Any, compression: Any = Compression.none,
+                 backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
+                 gradient_predivide_factor: float = 1.0, groups: Any = None,
+                 comm: Communicator | None = None) -> None:
+        self.optimizer = optimizer
+        named = [(getattr(p, "name", None) or f"param.{i}", p)
+                 for i, p in enumerate(optimizer.params)]
+        self.reducer = GradientReducer(
+            named, ArrayBridge(), comm=comm, compression=compression, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=gradient_predivide_factor, groups=groups)
+
+    @property
+    def params(self) -> list[Any]:
+        """The wrapped optimizer's parameters."""
+        return list(self.optimizer.params)
+
+    def grad_ready(self, param: Any) -> None:
+        """Tell the optimizer ``param.grad`` is computed for this backward pass.
+
+        On the ``backward_passes_per_step``-th call since the last step the gradient's
+        allreduce starts at once, in the background.
+        """
+        self.reducer.grad_ready(param)
+
+    def step(self) -> Any:
+        """Average the gradients (unless in :meth:`skip_synchronize`), then step."""
+        self._before_step()
+        return self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """The wrapped optimizer's ``zero_grad()``; refused while allreduces are pending."""
+        self._check_zero_grad()
+        self.optimizer.zero_grad()

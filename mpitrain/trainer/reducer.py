@@ -1,0 +1,289 @@
+"""Gradient averaging: one async allreduce per gradient, started as soon as it is final.
+
+:class:`GradientReducer` is the framework-neutral core of both
+:class:`mpitrain.trainer.DistributedOptimizer` (numpy/cupy) and
+:class:`mpitrain.torch.DistributedOptimizer`. A framework plugs in through a
+:class:`GradientBridge` (how to get, view and store a parameter's gradient).
+
+Life of one step, per parameter ``p``:
+
+1. ``grad_ready(p)`` after each backward pass that produced ``p``'s gradient
+   (autograd hooks call it in the torch adapter). The ``backward_passes_per_step``-th
+   call makes the gradient final; once every parameter of ``p``'s group is final,
+   the group is compressed and its allreduce submitted, in place
+   (``allreduce_async_``, or ``grouped_allreduce_async_`` for a group of several).
+2. ``synchronize()`` (called by ``step()``) submits the groups that were not
+   submitted yet (a parameter without gradient contributes zeros, as other ranks
+   may have one), waits for every allreduce, decompresses and stores the averages.
+
+Scaling follows Horovod: with ``op=Average`` and ``gradient_predivide_factor=f``
+each rank's gradient is multiplied by ``1/f`` before the sum and the sum by
+``f/size`` after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
+
+from .. import Communicator
+from ..errors import ArgumentError
+from ..ops import ReduceOp, parse_op
+from .broadcast import resolve
+from .compression import Compression
+
+P = TypeVar("P")
+P_contra = TypeVar("P_contra", contravariant=True)
+
+Adasum = "adasum"
+"""Horovod's Adasum reduction: accepted as a name, not implemented."""
+
+
+def check_op(op: Any) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`; Adasum raises ``NotImplementedError``."""
+    if isinstance(op, str) and op.strip().lower() == Adasum:
+        raise NotImplementedError("op=Adasum is not implemented by mpitrain; use Average "
+                                  "(Horovod's default) or Sum")
+    return parse_op(op)
+
+
+class GradientBridge(Protocol[P_contra]):
+    """How the reducer reads, views and stores one framework's gradients."""
+
+    def grad(self, param: P_contra) -> Any:
+        """``param``'s gradient, set to zeros first if it has none."""
+
+    def buffer(self, value: Any) -> Any:
+        """A zero-copy array view of ``value`` that the comm layer accepts."""
+
+    def assign(self, param: P_contra, value: Any) -> None:
+        """Store ``value`` as ``param``'s gradient (no-op when it already is)."""
+
+
+@dataclass
+class Submitted:
+    """A group's allreduce in flight."""
+
+    params: list[Any]
+    ctxs: list[Any]
+    handles: list[Any]
+    collect: Callable[[], list[Any]]  # waits; returns the reduced (compressed) values
+
+
+def build_groups(params: Sequence[P], groups: Any) -> list[list[P]]:
+    """Horovod's ``groups``: None/0 (one per parameter), a count, or lists of parameters.
+
+    With a count ``n`` the parameters are cut into ``n`` contiguous groups of nearly
+    equal length; with lists, parameters in no list form a group of their own.
+    """
+    if groups is None or (isinstance(groups, int) and groups == 0):
+        return [[p] for p in params]
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ArgumentError(f"groups={groups} must be >= 0 (0: no grouping)")
+        n = min(groups, len(params))
+        bounds = [len(params) * i // n for i in range(n + 1)]
+        return [list(params[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    known = {id(p) for p in params}
+    seen: set[int] = set()
+    result: list[list[P]] = []
+    for group in groups:
+        members = list(group)
+        for p in members:
+            if id(p) not in known:
+                raise ArgumentError("groups lists a parameter that the optimizer does not "
+                                    "update; list only the optimizer's parameters")
+            if id(p) in seen:
+                raise ArgumentError("groups lists a parameter twice; each parameter may be "
+                                    "in one group only")
+            seen.add(id(p))
+        if members:
+            result.append(members)
+    result.extend([p] for p in params if id(p) not in seen)
+    return result
+
+
+class GradientReducer(Generic[P]):
+    """Averages the gradients of named parameters over all ranks, asynchronously.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs; names must be unique and the same on
+            every rank (they name the allreduces, so ranks may submit in any order).
+        bridge: how to reach the gradients of these parameters.
+        comm: the communicator (default: that of :func:`mpitrain.init`).
+        compression: a compressor (``Compression.none``, ``.fp16``, ``.bf16``).
+        op: ``Average`` (default) or ``Sum`` (or ``Min``/``Max``/``Product``).
+        backward_passes_per_step: backward passes accumulated locally per allreduce.
+        gradient_predivide_factor: split Average's ``1/size`` into ``1/f`` before and
+            ``f/size`` after the sum (only with ``op=Average``).
+        groups: ``None``, a group count, or lists of parameters reduced together.
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, P]], bridge: GradientBridge[P], *,
+                 comm: Communicator | None = None, compression: Any = Compression.none,
+                 op: Any = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
+                 gradient_predivide_factor: float = 1.0, groups: Any = None) -> None:
+        self.op = check_op(op)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ArgumentError(f"backward_passes_per_step={backward_passes_per_step!r} must "
+                                "be an integer >= 1")
+        if not gradient_predivide_factor > 0:
+            raise ArgumentError(f"gradient_predivide_factor={gradient_predivide_factor} must "
+                                "be > 0")
+        if gradient_predivide_factor != 1.0 and self.op is not ReduceOp.AVERAGE:
+            raise ArgumentError(f"gradient_predivide_factor={gradient_predivide_factor} needs "
+                                f"op=Average, got op={self.op!r}")
+        names = [name for name, _ in named_params]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ArgumentError(f"parameter names must be unique; duplicates: {', '.join(dups)}")
+        self.comm = resolve(comm)
+        self.bridge = bridge
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.prescale = 1.0 / gradient_predivide_factor
+        self.postscale = gradient_predivide_factor
+        self.params: list[P] = [p for _, p in named_params]
+        self._names = {id(p): name for name, p in named_params}
+        self.groups = build_groups(self.params, groups)
+        self._group_of = {id(p): g for g, group in enumerate(self.groups) for p in group}
+        self._delay = {id(p): backward_passes_per_step for p in self.params}
+        self._final: dict[int, int] = {}  # group -> number of final gradients
+        self._submitted: dict[int, Submitted] = {}
+        self.synchronized = False
+        self.should_synchronize = True
+
+    # -- the three events -------------------------------------------------------------
+    def grad_ready(self, param: P) -> None:
+        """Count one backward pass of ``param``; submit its group when all are final."""
+        key = id(param)
+        if key not in self._delay:
+            raise ArgumentError(f"grad_ready got a parameter that this optimizer does not "
+                                f"update ({type(param).__name__} of id {key})")
+        if self._delay[key] <= 0:
+            raise ArgumentError(
+                f"the gradient of {self._names[key]!r} was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before "
+                "step(); increase backward_passes_per_step to accumulate gradients locally")
+        self._delay[key] -= 1
+        if self._delay[key] == 0:
+            g = self._group_of[key]
+            self._final[g] = self._final.get(g, 0) + 1
+            if self._final[g] == len(self.groups[g]):
+                self._submit(g)
+
+    def synchronize(self) -> None:
+        """Submit what is left, wait for every allreduce and store the averaged gradients."""
+        try:
+            for g in range(len(self.groups)):
+                if g not in self._submitted:
+                    self._submit(g)
+            for sub in self._submitted.values():
+                for p, value, ctx in zip(sub.params, sub.collect(), sub.ctxs):
+                    self.bridge.assign(p, self.compression.decompress(value, ctx))
+        finally:
+            self._reset()
+        self.synchronized = True
+
+    @property
+    def accumulating(self) -> bool:
+        """True between the first backward pass of a step and :meth:`synchronize`."""
+        return any(d != self.backward_passes_per_step for d in self._delay.values())
+
+    def handles(self) -> dict[str, Any]:
+        """The engine handles in flight, by operation name (timestamps, ``test()``)."""
+        return {h.name: h for sub in self._submitted.values() for h in sub.handles}
+
+    # -- internals --------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._submitted.clear()
+        self._final.clear()
+        for key in self._delay:
+            self._delay[key] = self.backward_passes_per_step
+
+    def _group_name(self, group: list[P]) -> str:
+        first = self._names[id(group[0])]
+        return first if len(group) == 1 else f"group[{len(group)}].{first}"
+
+    def _submit(self, g: int) -> None:
+        group = self.groups[g]
+        self._submitted[g] = self.submit(group, [self.bridge.grad(p) for p in group])
+
+    def submit(self, group: list[P], grads: list[Any]) -> Submitted:
+        """Compress ``grads`` and start their allreduce (overridable per framework)."""
+        packed = [self.compression.compress(v) for v in grads]
+        sent = [c for c, _ in packed]
+        buffers = [self.bridge.buffer(c) for c in sent]
+        name = f"grad.{self._group_name(group)}"
+        if len(group) == 1:
+            handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
+                                                self.postscale)
+        else:
+            handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
+                                                        self.postscale)
+
+        def collect() -> list[Any]:
+            handle.wait()  # in place: the sent values hold the sums
+            return sent
+        return Submitted(list(group), [ctx for _, ctx in packed], [handle], collect)
+
+
+class DistributedOptimizerBase:
+    """``step()`` / ``synchronize()`` / ``skip_synchronize()`` / ``zero_grad()`` over a
+    :class:`GradientReducer`, delegating everything else to the wrapped optimizer."""
+
+    optimizer: Any
+    reducer: GradientReducer[Any]
+
+    def synchronize(self) -> None:
+        """Wait for every gradient allreduce and store the averaged gradients."""
+        self.reducer.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this context ``step()`` does not synchronize (call it yourself first).
+
+        For gradient clipping: ``optimizer.synchronize()``, clip, then
+        ``with optimizer.skip_synchronize(): optimizer.step()``.
+        """
+        self.reducer.should_synchronize = False
+        try:
+            yield
+        finally:
+            self.reducer.should_synchronize = True
+
+    def _before_step(self) -> None:
+        reducer = self.reducer
+        if reducer.should_synchronize:
+            if reducer.synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): the gradients are averaged "
+                              "again. Wrap step() in `with optimizer.skip_synchronize():`.",
+                              stacklevel=3)
+            reducer.synchronize()
+        reducer.synchronized = False
+
+    def _check_zero_grad(self) -> None:
+        if self.reducer.accumulating:
+            raise ArgumentError("optimizer.zero_grad() was called after backward() but before "
+                                "optimizer.step() or optimizer.synchronize(); this would race "
+                                "with the gradient allreduces. Call step() first.")
+
+    def state_dict(self) -> Any:
+        """The wrapped optimizer's ``state_dict()``."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        """The wrapped optimizer's ``load_state_dict()``."""
+        self.optimizer.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found on the wrapper: delegate to the optimizer.
+        if name.startswith("__") or name in ("optimizer", "reducer"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"Distributed({self.optimizer!r})"

@@ -1,0 +1,343 @@
+"""A numpy-backed fake GPU that runs the real staging code without a GPU.
+
+:class:`FakeDevice` implements :class:`mpitrain.backends.device.Device`; its streams
+queue their work (copies, "kernels") instead of doing it, and run it late: each piece
+of work takes a random number of device clock ticks before it may run, a few random
+steps (sometimes many) happen whenever the host asks an event whether it is done,
+and streams are drained only when the host synchronizes. So work on different
+streams completes in random orders, and code that reads device memory, or hands it
+to MPI, without the event or synchronization the stream rule requires sees stale
+bytes. Fresh device arrays and pinned buffers are filled with a poison byte, so
+stale bytes show up as wrong results.
+
+:class:`FakeBackend` is a device array backend over :class:`FakeDeviceArray` (a numpy
+subclass) whose every operation is queued on the current fake stream; registered
+with :func:`mpitrain.backends.register`, it sends the communicator down exactly the
+device path (transfer policy, staging transport, ring) that CuPy arrays take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from mpitrain.backends import NUMPY
+from mpitrain.ops import ReduceOp
+
+POISON = 0xA5
+
+
+class FakeDeviceArray(np.ndarray):  # type: ignore[type-arg]
+    """An array in the fake device's memory."""
+
+
+class _Marker:
+    """The point in a stream that an event's last ``record`` marked."""
+
+    __slots__ = ("reached",)
+
+    def __init__(self) -> None:
+        self.reached = False
+
+
+class FakeStream:
+    """A queue of work that runs in order, when the device gets to it."""
+
+    def __init__(self, device: FakeDevice, name: str) -> None:
+        self.device, self.name = device, name
+        self.queue: deque[tuple[str, Any, int]] = deque()  # (kind, item, runnable at tick)
+        self._saved: list[FakeStream] = []
+
+    def enqueue(self, work: Callable[[], None], ticks: int | None = None) -> None:
+        """Queue a piece of work that takes ``ticks`` (default: a random while)."""
+        delay = self.device.latency() if ticks is None else ticks
+        self.queue.append(("run", work, self.device.clock + delay))
+
+    def mark(self, marker: _Marker) -> None:
+        """Queue the marker of an event."""
+        self.queue.append(("mark", marker, 0))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        """Later work waits for what ``event`` marked at this moment."""
+        if event.marker is not None:
+            self.queue.append(("wait", event.marker, 0))
+
+    def ready(self) -> bool:
+        """True if the next piece of work can run now."""
+        if not self.queue:
+            return False
+        kind, item, tick = self.queue[0]
+        return (kind != "wait" or item.reached) and tick <= self.device.clock
+
+    def step(self) -> None:
+        """Run the next piece of work."""
+        kind, item, _ = self.queue.popleft()
+        if kind == "run":
+            item()
+        elif kind == "mark":
+            item.reached = True
+
+    def synchronize(self) -> None:
+        """Run work (of any stream, as needed) until this queue is empty."""
+        self.device.run_until(lambda: not self.queue)
+
+    def __enter__(self) -> FakeStream:
+        self._saved.append(self.device.current)
+        self.device.current = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.device.current = self._saved.pop()
+
+
+class FakeEvent:
+    """A marker in a fake stream."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+        self.marker: _Marker | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        """Mark the current end of ``stream`` (default: the current stream)."""
+        stream = stream or self.device.current
+        self.marker = _Marker()
+        stream.mark(self.marker)
+
+    @property
+    def done(self) -> bool:
+        """Let the device run a little, then report."""
+        self.device.wander()
+        return self.marker is None or self.marker.reached
+
+    def synchronize(self) -> None:
+        """Run work until the marker is reached."""
+        self.device.run_until(lambda: self.marker is None or self.marker.reached)
+
+
+class FakeDevice:
+    """The fake GPU: streams, events, pinned buffers and copies.
+
+    Args:
+        seed: seeds the random choice of which stream runs next and how far.
+        eagerness: the most steps the device usually takes each time an event is queried.
+    """
+
+    _count = 0
+
+    def __init__(self, seed: int = 0, eagerness: int = 2, max_latency: int = 12) -> None:
+        FakeDevice._count += 1
+        self.id = FakeDevice._count  # a new device each time: plans are cached per device
+        self.rng = random.Random(seed)
+        self.eagerness = eagerness
+        self.max_latency = max_latency
+        self.clock = 0
+        self.default = FakeStream(self, "default")
+        self.current = self.default
+        self.streams: list[FakeStream] = [self.default]
+
+    def current_stream(self) -> FakeStream:
+        """The current stream."""
+        return self.current
+
+    def new_stream(self) -> FakeStream:
+        """A new stream."""
+        stream = FakeStream(self, f"stream{len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    def new_event(self) -> FakeEvent:
+        """A new event."""
+        return FakeEvent(self)
+
+    def pinned(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """A poisoned host buffer."""
+        return np.full(nbytes, POISON, dtype=np.uint8)
+
+    def copy_to_host(self, dst: Any, src: Any, stream: FakeStream) -> None:
+        """Queue a copy of device bytes into host bytes."""
+        assert dst.nbytes == src.nbytes and not isinstance(dst, FakeDeviceArray)
+        assert isinstance(src, FakeDeviceArray), "copy_to_host needs a device source"
+        stream.enqueue(lambda: np.copyto(dst, src.view(np.ndarray)))
+
+    def copy_to_device(self, dst: Any, src: Any, stream: FakeStream) -> None:
+        """Queue a copy of host bytes into device bytes."""
+        assert dst.nbytes == src.nbytes and not isinstance(src, FakeDeviceArray)
+        assert isinstance(dst, FakeDeviceArray), "copy_to_device needs a device destination"
+        stream.enqueue(lambda: np.copyto(dst, src))
+
+    def latency(self) -> int:
+        """Clock ticks a new piece of work takes before it may run."""
+        return self.rng.randint(0, self.max_latency)
+
+    def step(self) -> bool:
+        """Advance the clock and run the next piece of work of a random ready stream.
+
+        When nothing is ready only because of latency, the clock jumps ahead. False if
+        nothing can ever run (every stream is empty or waits for an event)."""
+        self.clock += 1
+        ready = [s for s in self.streams if s.ready()]
+        if not ready:
+            waiting = [s.queue[0][2] for s in self.streams
+                       if s.queue and (s.queue[0][0] != "wait" or s.queue[0][1].reached)]
+            if not waiting:
+                return False
+            self.clock = max(self.clock, min(waiting))
+            ready = [s for s in self.streams if s.ready()]
+        self.rng.choice(ready).step()
+        return True
+
+    def wander(self) -> None:
+        """Take up to ``eagerness`` random steps (the GPU runs while the host works), and
+        now and then a burst of many (the GPU got far ahead of the host)."""
+        steps = self.rng.randint(0, self.eagerness) if self.rng.random() > 0.2 else 64
+        for _ in range(steps):
+            if not self.step():
+                return
+
+    def run_until(self, condition: Callable[[], bool]) -> None:
+        """Take random steps until ``condition`` holds."""
+        while not condition():
+            if not self.step():
+                pending = {s.name: len(s.queue) for s in self.streams if s.queue}
+                raise RuntimeError(f"fake device deadlock: nothing can run; queued {pending}")
+
+    def idle(self) -> bool:
+        """True when no stream has work queued."""
+        return not any(s.queue for s in self.streams)
+
+
+class FakeBackend:
+    """The array backend of :class:`FakeDeviceArray`: numpy operations queued on streams."""
+
+    name = "fake"
+    is_device = True
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.fake = device
+
+    def _queue(self, work: Callable[[], None]) -> None:
+        self.fake.current.enqueue(work)
+
+    def owns(self, obj: object) -> bool:
+        """True for fake device arrays."""
+        return isinstance(obj, FakeDeviceArray)
+
+    def asarray(self, obj: object) -> Any:
+        """The array itself."""
+        return obj
+
+    def writes_through(self, arr: Any, obj: object) -> bool:
+        """Always: no conversion happens."""
+        return True
+
+    def empty(self, count: int, dtype: Any) -> Any:
+        """A new poisoned array."""
+        arr = np.empty(count, dtype=dtype).view(FakeDeviceArray)
+        arr.view(np.uint8).fill(POISON)
+        return arr
+
+    def empty_like(self, arr: Any) -> Any:
+        """A new poisoned array shaped like ``arr``."""
+        return self.empty(arr.size, arr.dtype).reshape(arr.shape)
+
+    def is_contiguous(self, arr: Any) -> bool:
+        """True if C-contiguous."""
+        return bool(arr.flags.c_contiguous)
+
+    def is_writeable(self, arr: Any) -> bool:
+        """True if writeable."""
+        return bool(arr.flags.writeable)
+
+    def ascontiguous(self, arr: Any) -> Any:
+        """``arr`` or a contiguous copy made on the stream."""
+        if arr.flags.c_contiguous:
+            return arr
+        out = self.empty_like(arr)
+        self.copy_into(out, arr)
+        return out
+
+    def flat(self, arr: Any) -> Any:
+        """A flat view."""
+        return arr.reshape(-1)
+
+    def as_bytes(self, flat: Any) -> Any:
+        """A uint8 view."""
+        return flat.view(np.uint8)
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """Queue ``dst[...] = src``."""
+        self._queue(lambda: np.copyto(dst, src))
+
+    def reduce_into(self, dst: Any, a: Any, b: Any, op: ReduceOp, factor: float = 1.0) -> None:
+        """Queue the reduction "kernel"."""
+        self._queue(lambda: NUMPY.reduce_into(dst, a, b, op, factor))
+
+    def scale(self, arr: Any, factor: float) -> None:
+        """Queue the scaling."""
+        self._queue(lambda: NUMPY.scale(arr, factor))
+
+    def scale_into(self, dst: Any, src: Any, factor: float) -> None:
+        """Queue ``dst = src * factor``."""
+        self._queue(lambda: NUMPY.scale_into(dst, src, factor))
+
+    def cast_into(self, dst: Any, src: Any) -> None:
+        """Queue the cast."""
+        self._queue(lambda: NUMPY.cast_into(dst, src))
+
+    def pack_into(self, dst: Any, parts: list[Any]) -> None:
+        """Queue the packing."""
+        self._queue(lambda: NUMPY.pack_into(dst, parts))
+
+    def unpack_from(self, src: Any, parts: list[Any]) -> None:
+        """Queue the unpacking."""
+        self._queue(lambda: NUMPY.unpack_from(src, parts))
+
+    def concatenate(self, arrays: list[Any]) -> Any:
+        """A new array filled on the stream."""
+        out = self.empty(sum(a.size for a in arrays), arrays[0].dtype)
+        self.pack_into(out, [a.reshape(-1) for a in arrays])
+        return out
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Drain ``stream`` (default: the current one)."""
+        (stream or self.fake.current).synchronize()
+
+    @contextlib.contextmanager
+    def scope(self, obj: object, stream: Any = None) -> Iterator[None]:
+        """``stream`` made current, synchronized on entry and on exit."""
+        chosen = stream or self.fake.current
+        with chosen:
+            chosen.synchronize()
+            yield
+            chosen.synchronize()
+
+    def device_id(self) -> int:
+        """The fake device's number."""
+        return self.fake.id
+
+    def device(self) -> FakeDevice:
+        """The fake device."""
+        return self.fake
+
+
+def to_device(host: np.ndarray[Any, Any]) -> FakeDeviceArray:
+    """A fake device array holding a copy of ``host`` (ready at once)."""
+    return np.array(host, copy=True).view(FakeDeviceArray)
+
+
+@contextlib.contextmanager
+def fake_backend(seed: int, eagerness: int = 2) -> Iterator[FakeBackend]:
+    """Register a fresh fake backend for the block (the previous one is replaced)."""
+    from mpitrain import backends
+
+    backend = FakeBackend(FakeDevice(seed, eagerness))
+    saved = list(backends._BACKENDS)
+    backends._BACKENDS[:] = [b for b in saved if not isinstance(b, FakeBackend)] + [backend]
+    try:
+        yield backend
+    finally:
+        backends._BACKENDS[:] = saved

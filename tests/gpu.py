@@ -1,0 +1,36 @@
+"""Whether the GPU tests can run here: CuPy importable and at least one CUDA device.
+
+``requires_gpu`` skips a test (or module) cleanly, naming what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def _probe() -> tuple[Any, str]:
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"CuPy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, driver too old, no device
+        return None, f"no usable CUDA device ({exc})"
+    if count == 0:
+        return None, "no CUDA device"
+    return cupy, ""
+
+
+cupy, SKIP_REASON = _probe()
+requires_gpu = pytest.mark.skipif(cupy is None, reason=f"GPU tests skipped: {SKIP_REASON}")
+
+
+def use_local_device(local_rank: int) -> int:
+    """Make GPU ``local_rank % count`` current (ranks of a node share GPUs); its id."""
+    assert cupy is not None
+    device = local_rank % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(device).use()
+    return device

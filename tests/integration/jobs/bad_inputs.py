@@ -1,0 +1,384 @@
+"""The bad-input catalogue: misuse that must end in the documented error on every rank.
+
+Usage: bad_inputs.py OUT_DIR
+
+Every case runs on every rank, one after the other, in one job. A case is a function
+of (context, rank, size) that calls collectives, some ranks differently from the
+others; :data:`CASES` says what each rank must then see: the exception class (None:
+no error) and a pattern its message must match, or a result check. After every case
+the job runs one allreduce, on the same communicator if the case leaves it usable,
+else on a new one, and records whether it gave the right answer. Each rank writes
+``OUT_DIR/rank<r>.json``: case -> {error, message, seconds, next_ok, ok, why}.
+
+Stalls use a communicator created with ``MPITRAIN_STALL_TIMEOUT_S=1``; the default one
+keeps the defaults (no timeout), so a case that hangs there is a bug the test sees as
+a job killed at its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+STALL_TIMEOUT_S = "1"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One misuse and what every rank must see.
+
+    Attributes:
+        name: the case id.
+        run: ``run(ctx, rank, size)``; may raise.
+        expect: ``expect(rank, size)`` -> (exception class name or None, message regex).
+        usable: the communicator stays usable (the next collective uses it).
+        stall: the case runs on a communicator with a 1 s stall timeout.
+        validation: the case needs cross-rank validation (MismatchError).
+    """
+
+    name: str
+    run: Callable[[Any, int, int], Any]
+    expect: Callable[[int, int], tuple[str | None, str]]
+    usable: bool = True
+    stall: bool = False
+    validation: bool = False
+
+
+def everywhere(error: str | None, pattern: str = "") -> Callable[[int, int], tuple[Any, str]]:
+    """The same outcome on every rank."""
+    return lambda rank, size: (error, pattern)
+
+
+def last_differs(rank: int, size: int) -> bool:
+    return rank == size - 1
+
+
+def mismatch(pattern: str) -> Callable[[int, int], tuple[str, str]]:
+    """MismatchError on every rank; ``{last}`` in ``pattern`` is the last rank."""
+    return lambda rank, size: ("MismatchError", pattern.format(last=size - 1))
+
+
+def stalled_except(idle: Callable[[int, int], bool], idle_error: str | None = None,
+                   idle_pattern: str = "", pattern: str = "") -> Callable[[int, int], Any]:
+    """StallError on the waiting ranks, ``idle_error`` on the ranks that did not call."""
+    def expect(rank: int, size: int) -> tuple[str | None, str]:
+        if idle(rank, size):
+            return idle_error, idle_pattern
+        return "StallError", pattern.format(last=size - 1)
+    return expect
+
+
+# -- the cases ------------------------------------------------------------------------
+def _x(n: int = 1024, dtype: Any = np.float32) -> np.ndarray:
+    return np.arange(n, dtype=dtype)
+
+
+def dtype_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(dtype=np.float64 if last_differs(rank, size) else np.float32))
+
+
+def count_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(1025 if last_differs(rank, size) else 1024))
+
+
+def shape_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    x = _x()
+    return ctx.comm.allreduce(x.reshape(32, 32) if last_differs(rank, size) else x)
+
+
+def zero_size_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(0 if last_differs(rank, size) else 1024))
+
+
+def op_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    mt = ctx.mt
+    return ctx.comm.allreduce(_x(), op=mt.Max if last_differs(rank, size) else mt.Sum)
+
+
+def scaling_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(), prescale_factor=2.0 if last_differs(rank, size) else 1.0)
+
+
+def name_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(), name="bias" if last_differs(rank, size) else "weight")
+
+
+def algorithm_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(), algorithm="mpi" if last_differs(rank, size) else "ring")
+
+
+def root_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.broadcast(_x(), root=1 if last_differs(rank, size) else 0)
+
+
+def different_collectives(ctx: Any, rank: int, size: int) -> Any:
+    if last_differs(rank, size):
+        return ctx.comm.broadcast(_x(), root=0)
+    return ctx.comm.allreduce(_x())
+
+
+def reduce_scatter_shape_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    rows = 13 if last_differs(rank, size) else 12
+    return ctx.comm.reduce_scatter(np.ones((rows, 4), np.float32))
+
+
+def allgather_dtype_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allgather(np.zeros((2, 3), np.float64 if last_differs(rank, size)
+                                       else np.float32))
+
+
+def allgather_trailing_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allgather(np.zeros((2, 4 if last_differs(rank, size) else 3), np.int32))
+
+
+def missing_rank(ctx: Any, rank: int, size: int) -> Any:
+    if not last_differs(rank, size):
+        return ctx.stall_comm().allreduce(_x(), algorithm="ring")
+    return None
+
+
+def missing_rank_native(ctx: Any, rank: int, size: int) -> Any:
+    if not last_differs(rank, size):
+        return ctx.stall_comm().allreduce(_x(8), algorithm="mpi")
+    return None
+
+
+def missing_rank_barrier(ctx: Any, rank: int, size: int) -> Any:
+    if rank != 0:
+        return ctx.stall_comm().barrier()
+    return None
+
+
+def call_after_stall(ctx: Any, rank: int, size: int) -> Any:
+    comm = ctx.stall_comm()
+    if not last_differs(rank, size):
+        with contextlib.suppress(ctx.mt.StallError):
+            comm.allreduce(_x())
+        started = time.monotonic()
+        try:
+            comm.allreduce(_x())
+        finally:
+            ctx.after_stall_s = time.monotonic() - started
+    return None
+
+
+def wrong_out_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    out = np.empty(1023 if rank == 0 else 1024, np.float32)
+    return ctx.stall_comm().allreduce(_x(), out=out, algorithm="ring")
+
+
+def read_only_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    x = _x()
+    x.flags.writeable = rank != 0
+    return ctx.stall_comm().allreduce_(x, algorithm="ring")
+
+
+def unknown_op_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(), op="median")
+
+
+def bool_dtype_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(np.ones(4, bool))
+
+
+def complex_max_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(np.ones(4, np.complex64), op=ctx.mt.Max)
+
+
+def bad_root_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.broadcast(_x(), root=size)
+
+
+def noncontiguous_out_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce(_x(), out=np.empty(2048, np.float32)[::2])
+
+
+def unpicklable_on_root(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.broadcast_object((lambda: None) if rank == 0 else None, root=0)
+
+
+def nan_inf_propagate(ctx: Any, rank: int, size: int) -> Any:
+    """NaN and +-Inf reach every rank, alike under every algorithm and op."""
+    mt = ctx.mt
+    x = np.arange(1.0, 7.0)
+    if rank == 0:
+        x[0], x[2] = np.nan, np.inf
+    if rank == 1:
+        x[1], x[3], x[4] = np.nan, -np.inf, np.inf
+    wrong = []
+    for op in (mt.Sum, mt.Average, mt.Min, mt.Max, mt.Product):
+        ref = np.stack([_nan_input(r) for r in range(size)])
+        want = {mt.Sum: ref.sum(0), mt.Average: ref.sum(0) / size, mt.Min: ref.min(0),
+                mt.Max: ref.max(0), mt.Product: ref.prod(0)}[op]
+        for algorithm in ("ring", "mpi"):
+            for dtype in (np.float64, np.float32, np.float16):
+                got = ctx.comm.allreduce(x.astype(dtype), op=op, algorithm=algorithm)
+                if not np.array_equal(got, want.astype(dtype), equal_nan=True):
+                    wrong.append(f"{op} {algorithm} {np.dtype(dtype)}: {got} != {want}")
+    if wrong:
+        raise AssertionError("; ".join(wrong))
+    return None
+
+
+def _nan_input(rank: int) -> np.ndarray:
+    x = np.arange(1.0, 7.0)
+    if rank == 0:
+        x[0], x[2] = np.nan, np.inf
+    if rank == 1:
+        x[1], x[3], x[4] = np.nan, -np.inf, np.inf
+    return x
+
+
+ONE_RANK_OUT = stalled_except(lambda r, s: r == 0, "ArgumentError", r"out= must be a",
+                              r"rank 0 has not called it")
+
+CASES = [
+    Case("dtype_mismatch", dtype_mismatch,
+         mismatch(r"rank {last} sent float64\[1024\], rank 0 sent float32\[1024\]"),
+         validation=True),
+    Case("count_mismatch", count_mismatch, mismatch(r"rank {last} sent float32\[1025\]"),
+         validation=True),
+    Case("shape_mismatch", shape_mismatch, mismatch(r"rank {last} sent float32\[32, 32\]"),
+         validation=True),
+    Case("zero_size_on_one_rank", zero_size_on_one_rank,
+         mismatch(r"rank {last} sent float32\[0\]"), validation=True),
+    Case("op_mismatch", op_mismatch, mismatch(r"rank {last} sent op max, rank 0 sent op sum"),
+         validation=True),
+    Case("scaling_mismatch", scaling_mismatch, mismatch(r"prescale 2"), validation=True),
+    Case("name_mismatch", name_mismatch, mismatch(r"'bias'.*'weight'"), validation=True),
+    Case("algorithm_mismatch", algorithm_mismatch, mismatch(r"algorithm"), validation=True),
+    Case("root_mismatch", root_mismatch, mismatch(r"rank {last} sent root 1, rank 0 sent root 0"),
+         validation=True),
+    Case("different_collectives", different_collectives,
+         mismatch(r"rank {last} called broadcast, rank 0 called allreduce"), validation=True),
+    Case("reduce_scatter_shape_mismatch", reduce_scatter_shape_mismatch,
+         mismatch(r"rank {last} sent float32\[13, 4\]"), validation=True),
+    Case("allgather_dtype_mismatch", allgather_dtype_mismatch,
+         mismatch(r"rank {last} sent float64\[\*, 3\]")),
+    Case("allgather_trailing_mismatch", allgather_trailing_mismatch,
+         mismatch(r"rank {last} sent int32\[\*, 4\]")),
+    Case("missing_rank", missing_rank,
+         stalled_except(last_differs, pattern=r"allreduce .*rank {last} has not called it"),
+         usable=False, stall=True),
+    Case("missing_rank_native", missing_rank_native,
+         stalled_except(last_differs, pattern=r"allreduce .*rank {last} has not called it"),
+         usable=False, stall=True),
+    Case("missing_rank_barrier", missing_rank_barrier,
+         stalled_except(lambda r, s: r == 0, pattern=r"barrier .*rank 0 has not called it"),
+         usable=False, stall=True),
+    Case("call_after_stall", call_after_stall,
+         stalled_except(last_differs, pattern=r"earlier stall left unusable"),
+         usable=False, stall=True),
+    Case("wrong_out_on_one_rank", wrong_out_on_one_rank, ONE_RANK_OUT, usable=False,
+         stall=True),
+    Case("read_only_on_one_rank", read_only_on_one_rank,
+         stalled_except(lambda r, s: r == 0, "ArgumentError", "read-only",
+                        r"rank 0 has not called it"), usable=False, stall=True),
+    Case("unknown_op_everywhere", unknown_op_everywhere,
+         everywhere("ArgumentError", "unknown reduction op 'median'")),
+    Case("bool_dtype_everywhere", bool_dtype_everywhere,
+         everywhere("DtypeError", r"dtype bool is not supported \(cast with")),
+    Case("complex_max_everywhere", complex_max_everywhere,
+         everywhere("DtypeError", "undefined for complex")),
+    Case("bad_root_everywhere", bad_root_everywhere, everywhere("ArgumentError", "root=")),
+    Case("noncontiguous_out_everywhere", noncontiguous_out_everywhere,
+         everywhere("ArgumentError", "C-contiguous")),
+    Case("unpicklable_on_root", unpicklable_on_root,
+         lambda rank, size: (("AttributeError", "pickle") if rank == 0 else
+                             ("CommunicationError", "rank 0, could not pickle"))),
+    Case("nan_inf_propagate", nan_inf_propagate, everywhere(None)),
+]
+
+
+class Context:
+    """What a case may use: mpitrain, the default communicator, a stall communicator."""
+
+    def __init__(self, mt: Any, world: Any) -> None:
+        self.mt = mt
+        self.world = world
+        self.comm = mt.init()
+        self._stall: Any = None
+        self.after_stall_s = 0.0
+
+    def new_stall_comm(self) -> None:
+        """Create a communicator with a 1 s stall timeout (collective, before each stall
+        case; the last one is left alone, broken or not)."""
+        os.environ["MPITRAIN_STALL_TIMEOUT_S"] = STALL_TIMEOUT_S
+        try:
+            self._stall = self.mt.Communicator(self.world)
+        finally:
+            del os.environ["MPITRAIN_STALL_TIMEOUT_S"]
+
+    def stall_comm(self) -> Any:
+        """The communicator of :meth:`new_stall_comm`."""
+        return self._stall
+
+    def next_ok(self, case: Case) -> bool:
+        """One allreduce gives the right sum: on the same communicator if ``case`` leaves
+        it usable, else on a new one (the broken one is left alone: it may hold requests
+        in flight)."""
+        comm = self.comm
+        if case.stall:
+            self.new_stall_comm()
+            comm = self.stall_comm()
+        elif not case.usable:
+            self.mt.shutdown()
+            comm = self.comm = self.mt.init()
+        y = comm.allreduce(np.ones(3))
+        return bool(np.array_equal(y, np.full(3, float(self.comm.size))))
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    import mpitrain as mt
+
+    out = sys.argv[1]
+    have_validation = _has_validation()
+    ctx = Context(mt, MPI.COMM_WORLD)
+    rank, size = ctx.comm.rank, ctx.comm.size
+    results: dict[str, dict[str, Any]] = {}
+    for case in CASES:
+        if case.validation and not have_validation:
+            results[case.name] = {"skipped": "needs cross-rank validation"}
+            continue
+        if case.stall:
+            ctx.new_stall_comm()
+        started = time.monotonic()
+        error, message = None, ""
+        try:
+            case.run(ctx, rank, size)
+        except Exception as exc:
+            error, message = type(exc).__name__, str(exc)
+        seconds = time.monotonic() - started
+        want_error, pattern = case.expect(rank, size)
+        ok = error == want_error and (not pattern or re.search(pattern, message) is not None)
+        why = "" if ok else f"want {want_error} /{pattern}/, got {error}: {message}"
+        if case.name == "call_after_stall" and ctx.after_stall_s > 0.5:
+            ok, why = False, f"the call after the stall took {ctx.after_stall_s:.2f} s"
+        results[case.name] = {"error": error, "message": message, "seconds": seconds,
+                              "next_ok": ctx.next_ok(case),
+                              "ok": ok, "why": why}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    mt.shutdown()
+
+
+def _has_validation() -> bool:
+    try:
+        import mpitrain.comm.validation  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Async operations: same results as blocking calls, fusion, ordering, errors, overlap."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, reference
+
+import mpitrain as mt
+
+DTYPES = ["float32", "int64", "float16", "bfloat16", "complex64"]
+OPS = [mt.Sum, mt.Average, mt.Max, mt.Product]
+
+
+def cases() -> list[tuple[str, mt.ReduceOp]]:
+    return [(d, o) for d in DTYPES for o in OPS if not (d.startswith("complex") and o is mt.Max)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_kind_matches_blocking(comm: mt.Communicator) -> None:
+    """All submitted first and waited together, so fusable ones share buckets."""
+    checks: list[tuple[str, Any, Any]] = []  # (what, handle, expected)
+    for dtype, op in cases():
+        for count in (0, 1, 1001):
+            x = crafted(comm.rank, count, dtype, op)
+            want = reference(comm.size, count, dtype, op)
+            checks.append((f"allreduce_async {dtype} {op} n={count}",
+                           comm.allreduce_async(x, op=op), want))
+            y = x.copy()
+            checks.append((f"allreduce_async_ {dtype} {op} n={count}",
+                           comm.allreduce_async_(y, op=op), want))
+            rows = x.reshape(-1, 1) if count else x.reshape(0, 1)
+            checks.append((f"reduce_scatter_async {dtype} {op} n={count}",
+                           comm.reduce_scatter_async(rows, op=op),
+                           comm.reduce_scatter(rows, op=op)))
+        block = crafted(comm.rank, 3 * (comm.rank + 1), dtype, mt.Sum).reshape(-1, 3)
+        checks.append((f"allgather_async {dtype}", comm.allgather_async(block),
+                       comm.allgather(block)))
+        root = comm.size - 1
+        z = crafted(comm.rank, 7, dtype, mt.Sum)
+        checks.append((f"broadcast_async {dtype}", comm.broadcast_async(z, root=root),
+                       crafted(root, 7, dtype, mt.Sum)))
+        checks.append((f"broadcast_async_ {dtype}", comm.broadcast_async_(z.copy(), root=root),
+                       crafted(root, 7, dtype, mt.Sum)))
+    for what, handle, want in checks:
+        assert_equal_all_ranks(comm, handle.wait(), want, what)
+        assert handle.done and handle.test()
+        assert handle.submitted_at <= handle.started_at <= handle.finished_at  # type: ignore[operator]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_scaling_and_explicit_algorithms(comm: mt.Communicator) -> None:
+    x = crafted(comm.rank, 5000, "float64", mt.Sum)
+    for algorithm in ("ring", "mpi"):
+        hs = [comm.allreduce_async(x[: 100 * (i + 1)], op=mt.Average, prescale_factor=0.5,
+                                   postscale_factor=3.0, algorithm=algorithm) for i in range(5)]
+        for i, h in enumerate(hs):
+            want = comm.allreduce(x[: 100 * (i + 1)], op=mt.Average, prescale_factor=0.5,
+                                  postscale_factor=3.0)
+            assert_all_ranks(comm, bool(np.allclose(h.wait(), want, rtol=1e-12)),
+                             f"scaled {algorithm} #{i}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_in_place_semantics(comm: mt.Communicator) -> None:
+    base = crafted(comm.rank, 24, "float32", mt.Sum).reshape(4, 6)
+    want = reference(comm.size, 24, "float32", mt.Sum).reshape(4, 6)
+    view = base.T  # non-contiguous: written back through the fusion buffer
+    small = np.ones(3, np.int32)
+    before = base.copy()
+    out = comm.allreduce_async(base)
+    h1, h2 = comm.allreduce_async_(view), comm.allreduce_async_(small, op=mt.Max)
+    assert_equal_all_ranks(comm, out.wait(), want, "out of place")
+    assert h1.wait() is view and h2.wait() is small
+    assert_equal_all_ranks(comm, base, want, "in place on a transposed view")
+    assert_equal_all_ranks(comm, small, np.ones(3, np.int32), "in place max")
+    assert_equal_all_ranks(comm, out.wait(), want, "wait() is idempotent")
+    assert not np.shares_memory(out.wait(), before)
+    xs = [crafted(comm.rank, n, "float64", mt.Sum) for n in (1, 10, 100)]
+    assert all(a is b for a, b in zip(comm.grouped_allreduce_(xs), xs))
+    for n, x in zip((1, 10, 100), xs):
+        assert_equal_all_ranks(comm, x, reference(comm.size, n, "float64", mt.Sum), "group_")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_named_tensors_in_a_different_order_per_rank(comm: mt.Communicator) -> None:
+    """Three steps over the same names (the later ones announced by number); each step
+    odd ranks submit in reverse and even ranks in a shuffle seeded by rank and step.
+    The long names take the negotiation past its inline slot."""
+    specs = [(f"model/layer{i}/" + "weight-gradient" * 6, 1 + 37 * i,
+              ["float32", "float64", "int32"][i % 3]) for i in range(40)]
+    for step in range(3):
+        order = list(range(len(specs)))
+        if comm.rank % 2:
+            order.reverse()
+        else:
+            np.random.default_rng(comm.rank + 10 * step).shuffle(order)
+        handles = {}
+        for i in order:
+            name, n, dtype = specs[i]
+            x = crafted(comm.rank + i + step, n, dtype, mt.Sum)
+            handles[name] = comm.allreduce_async(x, name=name)
+        for i, (name, n, dtype) in enumerate(specs):
+            want = sum(crafted(r + i + step, n, dtype, mt.Sum) for r in range(comm.size))
+            assert_equal_all_ranks(comm, handles[name].wait(), np.asarray(want, dtype),
+                                   f"step {step} {name}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_small_operations_are_fused(comm: mt.Communicator) -> None:
+    before = comm.async_stats()
+    xs = [crafted(comm.rank + i, 2560, "float32", mt.Sum) for i in range(100)]  # 10 KiB each
+    handles = [comm.allreduce_async(x) for x in xs]
+    results = [h.wait() for h in handles]
+    after = comm.async_stats()
+    collectives = after.collectives - before.collectives
+    assert_all_ranks(comm, collectives <= 25, f"100 small allreduces took {collectives} "
+                     "collectives; fusion should need a handful")
+    assert_all_ranks(comm, after.fused - before.fused >= 75, "most arrays went through fusion")
+    assert after.operations - before.operations == 100
+    for i, y in enumerate(results):
+        want = sum(crafted(r + i, 2560, "float32", mt.Sum) for r in range(comm.size))
+        assert_equal_all_ranks(comm, y, want, f"fused #{i}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_threshold_zero_turns_fusion_off(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+    env.setenv("MPITRAIN_FUSION_THRESHOLD", "0")
+    before = comm.async_stats()
+    handles = [comm.allreduce_async(np.full(4, i, np.int16)) for i in range(10)]
+    for i, h in enumerate(handles):
+        assert_equal_all_ranks(comm, h.wait(), np.full(4, i * comm.size, np.int16), "unfused")
+    after = comm.async_stats()
+    assert (after.collectives - before.collectives, after.fused - before.fused) == (10, 0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_grouped_allreduce(comm: mt.Communicator) -> None:
+    f32 = [crafted(comm.rank, n, "float32", mt.Sum) for n in (0, 5, 3000)]
+    i64 = [crafted(comm.rank, n, "int64", mt.Sum) for n in (1, 2)]
+    before = comm.async_stats()
+    got = comm.grouped_allreduce(f32 + i64, op=mt.Average)
+    assert comm.async_stats().collectives - before.collectives == 2  # one per dtype
+    for x, y in zip(f32 + i64, got):
+        want = reference(comm.size, x.size, x.dtype, mt.Average)
+        assert_equal_all_ranks(comm, y, want, f"grouped {x.dtype}[{x.size}]")
+    handle = mt.grouped_allreduce_async([np.ones(2)], name="group")
+    assert_equal_all_ranks(comm, mt.synchronize(handle)[0], np.full(2, comm.size, float), "g")
+    assert comm.grouped_allreduce([]) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_test_is_false_while_a_large_op_is_in_flight(comm: mt.Communicator) -> None:
+    x = np.ones(16 << 20, np.float32)  # 64 MiB
+    handle = comm.allreduce_async_(x, name="large")
+    seen_in_flight = polls = 0
+    while True:
+        started = handle.started_at
+        done = handle.test()
+        if done:
+            break
+        polls += 1
+        seen_in_flight += started is not None
+        time.sleep(0.001)
+    assert_all_ranks(comm, seen_in_flight > 0, f"test() was never False after the collective "
+                     f"started ({polls} polls)")
+    assert_all_ranks(comm, bool(x[0] == comm.size and x[-1] == comm.size), "large result")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_communication_overlaps_computation(comm: mt.Communicator) -> None:
+    """Like backward: submit a gradient, keep computing; its collective starts meanwhile."""
+    a = np.random.default_rng(comm.rank).random((200, 200))
+    handles = []
+    for layer in range(4):
+        a = np.tanh(a @ a.T / 200)
+        handles.append(comm.allreduce_async(a.copy(), name=f"layer{layer}"))
+    deadline = time.perf_counter() + 60
+    while handles[0].started_at is None and time.perf_counter() < deadline:
+        a = np.tanh(a @ a.T / 200)  # more backward work; no wait() called
+    computed_until = time.perf_counter()
+    started = handles[0].started_at
+    assert_all_ranks(comm, started is not None and started < computed_until,
+                     "the first gradient's collective did not start while computing")
+    assert all(isinstance(h.wait(), np.ndarray) for h in handles)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatch_raises_on_every_rank(comm: mt.Communicator) -> None:
+    last = comm.rank == comm.size - 1
+    h = comm.allreduce_async(np.zeros(5 + last, np.float32), name="count")
+    with pytest.raises(mt.MismatchError, match=r"rank 0 submitted allreduce sum float32\[5\]"):
+        h.wait()
+    with pytest.raises(mt.MismatchError):  # idempotent: raises again
+        h.wait()
+    h = comm.allreduce_async(np.zeros(5, np.float64 if last else np.float32), name="dtype")
+    with pytest.raises(mt.MismatchError, match="float64"):
+        h.wait()
+    x = np.zeros((2, 3))
+    h = comm.allgather_async(x, name="kind") if last else comm.allreduce_async(x, name="kind")
+    with pytest.raises(RuntimeError, match="different arguments"):
+        h.wait()
+    good = comm.allreduce_async(np.ones(3), name="count")  # names are free again
+    assert_equal_all_ranks(comm, good.wait(), np.full(3, comm.size, float), "after mismatch")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_misuse_raises_at_submission(comm: mt.Communicator) -> None:
+    x = np.ones(4, np.float32)
+    h = comm.allreduce_async(x, name="dup")
+    with pytest.raises(ValueError, match="'dup' is already in flight"):
+        comm.allreduce_async(x, name="dup")
+    h.wait()
+    comm.allreduce_async(x, name="dup").wait()  # finished names may be reused
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce_async_(ro)
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        comm.allreduce_async(x, op="median")
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
+        comm.allreduce_async(x, algorithm="tree")
+    with pytest.raises(TypeError, match="not supported"):
+        comm.allgather_async(np.ones(2, bool))
+    with pytest.raises(ValueError, match="root=99"):
+        comm.broadcast_async_(x, root=99)
+    with pytest.raises(ValueError, match="needs an array to write into"):
+        comm.allreduce_async_([1.0, 2.0])
+    with pytest.raises(ValueError, match="a list of arrays"):
+        comm.grouped_allreduce(x)
+    assert_equal_all_ranks(comm, mt.allreduce_async(x).wait(), x * comm.size, "still usable")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collective_errors_reach_every_rank(comm: mt.Communicator,
+                                            env: pytest.MonkeyPatch) -> None:
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "bogus")  # read while planning, in the engine
+    h = comm.allreduce_async(np.ones(10), name="bad", algorithm="ring")
+    with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='bogus'"):
+        h.wait()
+    env.delenv("MPITRAIN_SEGMENT_BYTES")
+    assert mt.poll(h)
+    assert_equal_all_ranks(comm, comm.allreduce_async(np.ones(2), name="bad").wait(),
+                           np.full(2, comm.size, float), "engine survives")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_free_stops_the_engine(comm: mt.Communicator) -> None:
+    from mpi4py import MPI
+
+    own = mt.Communicator(MPI.COMM_WORLD)
+    done = own.allreduce_async(np.ones(3), name="kept")
+    orphan = own.allreduce_async(np.ones(3), name="only-on-rank-0") if comm.rank == 0 else None
+    engine = own._engine
+    assert engine is not None
+    assert_equal_all_ranks(comm, done.wait(), np.full(3, comm.size, float), "before free")
+    late = own.allreduce_async(np.ones(2), name="submitted-then-freed")
+    own.free()
+    assert not engine._thread.is_alive()
+    assert_equal_all_ranks(comm, late.wait(), np.full(2, comm.size, float), "finished by free")
+    if orphan is not None and comm.size > 1:
+        with pytest.raises(mt.CommunicationError, match=r"rank\(s\) \[1"):
+            orphan.wait()
+    with pytest.raises(mt.CommunicationError, match="shut down"):
+        engine.allreduce(np.ones(1), mt.Sum, None, 1.0, 1.0, None, False)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_idle_engine_sleeps(comm: mt.Communicator) -> None:
+    """With nothing in flight the progress thread waits on a condition, not in a loop."""
+    comm.allreduce_async(np.ones(4)).wait()  # the engine exists and has just worked
+    cpu = time.process_time()
+    time.sleep(0.3)
+    used = time.process_time() - cpu
+    assert_all_ranks(comm, used < 0.1, f"an idle engine used {used:.3f} s of CPU in 0.3 s")

@@ -1,0 +1,150 @@
+"""The device path of every collective, run on the fake GPU of ``tests/fake_device.py``.
+
+The fake device's arrays go through exactly the code CuPy arrays take: the
+communicator's stream scope, the transfer policy chosen at plan time, the staging
+transport (``MPITRAIN_CUDA_AWARE=0``) or the direct one (``=1``), and the ring or
+the native algorithms. Its streams run work late and in random orders, so a missing
+synchronization shows up as wrong elements. Tiny segments and one or two pinned
+slots reach the multi-segment pipeline and the slot queues with small buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_device import FakeDeviceArray, fake_backend, to_device
+from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, reference
+
+import mpitrain as mt
+
+POLICIES = {"staged": "0", "cuda-aware": "1"}
+ALGORITHMS = ["ring", "mpi"]
+DTYPES = ["float32", "bfloat16"]  # integers: the scaling and reduce-scatter tests
+
+
+def counts(size: int) -> list[int]:
+    """0, 1, fewer than ranks, and a length no rank count divides."""
+    return sorted({0, 1, max(size - 1, 0), 101})
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request: pytest.FixtureRequest, env: pytest.MonkeyPatch) -> str:
+    """Run the test under both device policies, with tiny segments and few slots."""
+    env.setenv("MPITRAIN_CUDA_AWARE", POLICIES[request.param])
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "16")
+    env.setenv("MPITRAIN_STAGING_SLOTS", "2")
+    return str(request.param)
+
+
+def host(arr: Any) -> np.ndarray[Any, Any]:
+    """A fake device array's contents (the collective has synchronized its stream)."""
+    assert isinstance(arr, FakeDeviceArray), f"expected a device array, got {type(arr)}"
+    return np.asarray(arr).view(np.ndarray)
+
+
+def seed(comm: mt.Communicator, *salt: object) -> int:
+    """A seed that differs by rank and by test case (stable across runs)."""
+    return comm.rank * 7919 + sum(ord(c) for c in "".join(map(str, salt)))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce(comm: mt.Communicator, policy: str, algorithm: str, dtype: str) -> None:
+    assert comm.cuda_policy == policy
+    ops = list(mt.ReduceOp) if dtype == "float32" else [mt.Sum, mt.Min, mt.Average]
+    with fake_backend(seed(comm, policy, algorithm, dtype)):
+        for count in counts(comm.size):
+            for op in ops:
+                expected = reference(comm.size, count, dtype, op)
+                x = to_device(crafted(comm.rank, count, dtype, op))
+                y = comm.allreduce(x, op=op, algorithm=algorithm)
+                assert_equal_all_ranks(comm, host(y), expected, f"allreduce n={count} {op}")
+                z = to_device(crafted(comm.rank, count, dtype, op))
+                assert comm.allreduce_(z, op=op, algorithm=algorithm) is z
+                assert_equal_all_ranks(comm, host(z), expected, f"allreduce_ n={count} {op}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_scaling_streams_and_out(comm: mt.Communicator, policy: str, algorithm: str) -> None:
+    with fake_backend(seed(comm, policy, algorithm)) as be:
+        stream = be.fake.new_stream()
+        x = to_device(crafted(comm.rank, 101, "float64", mt.Sum))
+        out = be.empty(101, np.float64)
+        got = comm.allreduce(x, op=mt.Average, algorithm=algorithm, prescale_factor=0.5,
+                             postscale_factor=3.0, out=out, stream=stream)
+        want = reference(comm.size, 101, "float64", mt.Sum) * 0.5 * 3.0 / comm.size
+        assert_all_ranks(comm, got is out and bool(np.allclose(host(out), want, rtol=1e-12)),
+                         "scaled allreduce on a side stream")
+        ints = to_device(crafted(comm.rank, 101, "int32", mt.Sum))
+        got = comm.allreduce(ints, algorithm=algorithm, postscale_factor=0.25)
+        want_ints = np.floor(reference(comm.size, 101, "int32", mt.Sum) * 0.25).astype(np.int32)
+        assert_equal_all_ranks(comm, host(got), want_ints, "integer postscale")
+        square = to_device(crafted(comm.rank, 36, "float32", mt.Sum)).reshape(6, 6)
+        view = square.T  # non-contiguous: reduced through a copy written back
+        assert comm.allreduce_(view, algorithm=algorithm) is view
+        assert_equal_all_ranks(comm, host(square),
+                               reference(comm.size, 36, "float32", mt.Sum).reshape(6, 6),
+                               "allreduce_ of a transposed device view")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", ["float16", "int32"])
+def test_reduce_scatter(comm: mt.Communicator, policy: str, algorithm: str, dtype: str) -> None:
+    with fake_backend(seed(comm, policy, algorithm, dtype, "rs")):
+        for rows in (2 * comm.size + 1, 33):
+            for op in (mt.Sum, mt.Max, mt.Average):
+                full = reference(comm.size, rows * 3, dtype, op).reshape(rows, 3)
+                mine = np.array_split(full, comm.size)[comm.rank]
+                x = to_device(crafted(comm.rank, rows * 3, dtype, op)).reshape(rows, 3)
+                got = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+                assert_equal_all_ranks(comm, host(got), mine, f"reduce_scatter rows={rows} {op}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allgather_and_broadcast(comm: mt.Communicator, policy: str, algorithm: str) -> None:
+    with fake_backend(seed(comm, policy, algorithm, "ag")):
+        for rows in (0, 1, 7):
+            mine = rows + comm.rank % 2  # blocks of different lengths
+            x = to_device(crafted(comm.rank, mine * 2, "float32", mt.Sum)).reshape(mine, 2)
+            want = np.concatenate([crafted(r, (rows + r % 2) * 2, "float32", mt.Sum)
+                                   for r in range(comm.size)]).reshape(-1, 2)
+            got = comm.allgather(x, algorithm=algorithm)
+            assert_equal_all_ranks(comm, host(got), want, f"allgather rows={rows}")
+        root = comm.size - 1
+        for count in (1, 57):
+            b = to_device(crafted(comm.rank, count, "int64", mt.Sum))
+            want = crafted(root, count, "int64", mt.Sum)
+            assert_equal_all_ranks(comm, host(comm.broadcast(b, root=root)), want,
+                                   "broadcast")
+            assert comm.broadcast_(b, root=root) is b
+            assert_equal_all_ranks(comm, host(b), want, "broadcast_")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_slot_and_many_segments(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+    """One pinned slot per direction: every segment queues behind the previous one."""
+    env.setenv("MPITRAIN_CUDA_AWARE", "0")
+    env.setenv("MPITRAIN_STAGING_SLOTS", "1")
+    env.setenv("MPITRAIN_SEGMENT_BYTES", "64")
+    with fake_backend(seed(comm, "one slot")):
+        count = 2053
+        x = to_device(crafted(comm.rank, count, "float32", mt.Sum))
+        got = comm.allreduce(x, algorithm="ring")
+        assert_equal_all_ranks(comm, host(got), reference(comm.size, count, "float32", mt.Sum),
+                               "allreduce through one slot")
+        got = comm.reduce_scatter(x, algorithm="ring")
+        want = np.array_split(reference(comm.size, count, "float32", mt.Sum), comm.size)
+        assert_equal_all_ranks(comm, host(got), want[comm.rank], "reduce_scatter, one slot")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_numpy_arrays_keep_the_host_path(comm: mt.Communicator) -> None:
+    x = np.ones(5, np.float32)
+    y = comm.allreduce(x, stream="ignored for numpy")
+    assert type(y) is np.ndarray and y[0] == comm.size

@@ -1,0 +1,334 @@
+"""Every name of the horovod.torch API in mpitrain.torch, at 2+ ranks, with error cases."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_all_ranks
+
+torch = pytest.importorskip("torch")
+import mpitrain as mt  # noqa: E402
+import mpitrain.torch as hvd  # noqa: E402
+from mpitrain.torch.tensors import as_buffer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _init(comm: Any) -> None:
+    hvd.init()
+
+
+def rank_tensor(n: int = 6, dtype: Any = torch.float64, r: int | None = None) -> Any:
+    """Differs by rank and index: (rank + 1) * (index + 1)."""
+    r = hvd.rank() if r is None else r
+    return (torch.arange(n, dtype=torch.float64) + 1).mul(r + 1).to(dtype)
+
+
+def total(n: int = 6, dtype: Any = torch.float64) -> Any:
+    return sum(rank_tensor(n, torch.float64, r) for r in range(hvd.size())).to(dtype)
+
+
+def check(ok: bool, what: str) -> None:
+    assert_all_ranks(mt.default_communicator(), bool(ok), what)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_identity() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size()) == (world.Get_rank(), world.Get_size())
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= hvd.size()
+    assert 0 <= hvd.cross_rank() < hvd.cross_size()
+    assert hvd.local_size() * hvd.cross_size() == hvd.size()  # one node, or balanced nodes
+    assert hvd.mpi_threads_supported() and hvd.mpi_enabled() and hvd.mpi_built()
+    assert not hvd.gloo_enabled() and not hvd.gloo_built() and hvd.nccl_built() == 0
+    hvd.init()  # idempotent
+    assert hvd.size() == world.Get_size()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int32, torch.bfloat16])
+def test_allreduce_ops(dtype: Any) -> None:
+    x = rank_tensor(6, dtype)
+    before = x.clone()
+    summed = hvd.allreduce(x, op=hvd.Sum)
+    check(torch.equal(summed, total(6, dtype)) and torch.equal(x, before), f"Sum {dtype}")
+    if dtype.is_floating_point:
+        avg = hvd.allreduce(x)  # Average is the default
+        check(torch.allclose(avg.double(), total().div(hvd.size()), rtol=1e-2),
+              f"Average {dtype}")
+    check(torch.equal(hvd.allreduce(x, op=hvd.Min), rank_tensor(6, dtype, 0)), "Min")
+    check(torch.equal(hvd.allreduce(x, op=hvd.Max), rank_tensor(6, dtype, hvd.size() - 1)),
+          "Max")
+    signs = torch.tensor([1, -1, 2], dtype=dtype) if hvd.rank() < 2 else torch.ones(3, dtype=dtype)
+    check(torch.equal(hvd.allreduce(signs, op=hvd.Product),
+                      torch.tensor([1, 1, 4], dtype=dtype)), "Product")
+    check(torch.equal(hvd.allreduce(x, average=False), total(6, dtype)), "average=False")
+    scaled = hvd.allreduce(rank_tensor(), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3)
+    check(torch.allclose(scaled, total() * 1.5), "scaling")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_errors() -> None:
+    x = rank_tensor()
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(x, op=hvd.Adasum)
+    with pytest.raises(TypeError, match="cast with"):
+        hvd.allreduce(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="GPU backend"):
+        hvd.allreduce(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        hvd.allreduce(x, op="median")
+    with pytest.raises(RuntimeError, match="shape_check"):  # ranks disagree: everyone fails
+        hvd.allreduce(torch.ones(3 + hvd.rank()), name="shape_check")
+    with pytest.raises(RuntimeError, match="op_check"):
+        hvd.allreduce(x, name="op_check", op=hvd.Sum if hvd.rank() else hvd.Max)
+    check(torch.equal(hvd.allreduce(x, op=hvd.Sum), total()), "usable after errors")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_in_place_lands_in_the_tensor() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rank_tensor(8, dtype)
+        ptr = x.data_ptr()
+        assert np.shares_memory(as_buffer(x), as_buffer(x)) and \
+            as_buffer(x).__array_interface__["data"][0] == ptr  # a view, not a copy
+        assert hvd.allreduce_(x, op=hvd.Sum) is x
+        check(x.data_ptr() == ptr and torch.equal(x, total(8, dtype)), f"allreduce_ {dtype}")
+    t = rank_tensor(6).reshape(2, 3).t()  # non-contiguous
+    hvd.allreduce_(t, op=hvd.Sum)
+    check(torch.equal(t, total().reshape(2, 3).t()), "allreduce_ of a transposed view")
+    p = torch.nn.Parameter(rank_tensor())
+    hvd.allreduce_(p, op=hvd.Sum)  # a leaf that requires grad: written through .data
+    check(torch.equal(p.detach(), total()), "allreduce_ of a Parameter")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_poll_synchronize() -> None:
+    handles = [hvd.allreduce_async(rank_tensor(), name="a", op=hvd.Sum),
+               hvd.allreduce_async_(rank_tensor(), name="b", op=hvd.Sum)]
+    assert all(isinstance(h, int) for h in handles)
+    results = []
+    for h in handles:
+        while not hvd.poll(h):
+            time.sleep(0.001)
+        results.append(hvd.synchronize(h))
+    check(all(torch.equal(r, total()) for r in results), "async results")
+    with pytest.raises(ValueError, match="not the handle"):
+        hvd.synchronize(handles[0])
+    with pytest.raises(ValueError, match="not the handle"):
+        hvd.poll(12345678)
+    # ranks submit named operations in different orders: the names match them up
+    names = [f"t{i}" for i in range(5)]
+    order = names if hvd.rank() % 2 else names[::-1]
+    pending = {n: hvd.allreduce_async(rank_tensor() * (int(n[1]) + 1), name=n, op=hvd.Sum)
+               for n in order}
+    check(all(torch.equal(hvd.synchronize(pending[n]), total() * (i + 1))
+              for i, n in enumerate(names)), "out-of-order names")
+    x = rank_tensor()
+    h = hvd.allreduce_async(x, name="busy")
+    with pytest.raises(ValueError, match="already in flight"):
+        hvd.allreduce_async(x, name="busy")
+    hvd.synchronize(h)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_allreduce_family() -> None:
+    xs = [rank_tensor(3), rank_tensor(5, torch.float32), rank_tensor(1, torch.int64)]
+    want = [total(3), total(5, torch.float32), total(1, torch.int64)]
+    out = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    check(all(torch.equal(o, w) for o, w in zip(out, want)), "grouped_allreduce")
+    out = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum))
+    check(all(torch.equal(o, w) for o, w in zip(out, want)), "grouped_allreduce_async")
+    h = hvd.grouped_allreduce_async_(xs, op=hvd.Sum)
+    assert hvd.synchronize(h) == xs
+    check(all(torch.equal(o, w) for o, w in zip(xs, want)), "grouped_allreduce_async_")
+    ys = [rank_tensor(2), rank_tensor(4)]
+    assert hvd.grouped_allreduce_(ys, op=hvd.Sum) == ys
+    check(torch.equal(ys[1], total(4)), "grouped_allreduce_")
+    with pytest.raises(RuntimeError):
+        hvd.grouped_allreduce([torch.ones(2 + hvd.rank())], name="grouped_mismatch")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_and_broadcast() -> None:
+    rows = hvd.rank() + 1
+    x = torch.full((rows, 2), float(hvd.rank()))
+    want = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(hvd.size())])
+    check(torch.equal(hvd.allgather(x), want), "allgather")
+    check(torch.equal(hvd.synchronize(hvd.allgather_async(x)), want), "allgather_async")
+    with pytest.raises(RuntimeError, match="gather_mismatch"):
+        hvd.allgather(torch.ones(2, 2 + hvd.rank()), name="gather_mismatch")
+    root = hvd.size() - 1
+    y = rank_tensor()
+    check(torch.equal(hvd.broadcast(y, root), rank_tensor(r=root)) and
+          torch.equal(y, rank_tensor()), "broadcast")
+    check(torch.equal(hvd.synchronize(hvd.broadcast_async(y, root)), rank_tensor(r=root)),
+          "broadcast_async")
+    assert hvd.broadcast_(y, root) is y
+    check(torch.equal(y, rank_tensor(r=root)), "broadcast_")
+    z = rank_tensor()
+    hvd.synchronize(hvd.broadcast_async_(z, 0))
+    check(torch.equal(z, rank_tensor(r=0)), "broadcast_async_")
+    with pytest.raises(ValueError, match="root=99"):
+        hvd.broadcast(y, 99)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_alltoall() -> None:
+    n, r = hvd.size(), hvd.rank()
+    x = torch.arange(2 * n, dtype=torch.float32).reshape(n, 2) + 100 * r
+    out = hvd.alltoall(x)  # equal splits: one row to each rank
+    want = torch.stack([torch.arange(2 * n, dtype=torch.float32).reshape(n, 2)[r] + 100 * s
+                        for s in range(n)])
+    check(torch.equal(out, want), "alltoall without splits")
+    splits = [(r + d) % 3 for d in range(n)]  # rank r sends (r + d) % 3 rows to rank d
+    rows = torch.arange(sum(splits), dtype=torch.int64) + 1000 * r
+    got, received = hvd.alltoall(rows.reshape(-1, 1), splits=splits)
+    expect_counts = [(s + r) % 3 for s in range(n)]
+    parts = []
+    for s in range(n):
+        theirs = [(s + d) % 3 for d in range(n)]
+        start = sum(theirs[:r])
+        parts.append(torch.arange(start, start + theirs[r]) + 1000 * s)
+    check(received.tolist() == expect_counts and received.dtype == torch.int32 and
+          torch.equal(got.reshape(-1), torch.cat(parts)), "alltoall with splits")
+    with pytest.raises(ValueError, match="divisible"):
+        hvd.alltoall(torch.ones(n + 1))
+    with pytest.raises(ValueError, match="summing to dim 0"):
+        hvd.alltoall(torch.ones(3), splits=[1] * (n + 1))
+    with pytest.raises(ValueError, match="0-d"):
+        hvd.alltoall(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        hvd.alltoall(torch.ones(n, dtype=torch.float32 if r else torch.float64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reducescatter() -> None:
+    n, r = hvd.size(), hvd.rank()
+    rows = 2 * n + 1  # uneven: the first rank gets one more row
+    x = rank_tensor(rows * 2).reshape(rows, 2)
+    full = total(rows * 2).reshape(rows, 2)
+    lo = sum(len(b) for b in np.array_split(np.arange(rows), n)[:r])
+    mine = len(np.array_split(np.arange(rows), n)[r])
+    check(torch.allclose(hvd.reducescatter(x), full[lo:lo + mine] / n), "reducescatter Average")
+    got = hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum))
+    check(torch.equal(got, full[lo:lo + mine]), "reducescatter_async Sum")
+    with pytest.raises(RuntimeError):
+        hvd.reducescatter(torch.ones(n + r, 2), name="rs_mismatch")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_autograd() -> None:
+    n, r = hvd.size(), hvd.rank()
+    w = torch.arange(3, dtype=torch.float64) + r  # each rank's loss weights
+
+    x = rank_tensor(3).requires_grad_()
+    (hvd.allreduce(x, op=hvd.Sum) * w).sum().backward()
+    want = sum(torch.arange(3, dtype=torch.float64) + s for s in range(n))
+    check(torch.allclose(x.grad, want), "allreduce Sum backward")
+    x.grad = None
+    (hvd.allreduce(x) * w).sum().backward()
+    check(torch.allclose(x.grad, want / n), "allreduce Average backward")
+
+    a, b = rank_tensor(2).requires_grad_(), rank_tensor(3).requires_grad_()
+    ga, gb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+    (ga.sum() * (r + 1) + gb.sum()).backward()
+    check(torch.allclose(a.grad, torch.full((2,), n * (n + 1) / 2, dtype=torch.float64)) and
+          torch.allclose(b.grad, torch.full((3,), float(n), dtype=torch.float64)),
+          "grouped_allreduce backward")
+
+    g = torch.ones(r + 1, 2, dtype=torch.float64, requires_grad=True)
+    gathered = hvd.allgather(g)  # rows of rank s start at s*(s+1)/2
+    weights = torch.arange(gathered.shape[0], dtype=torch.float64).unsqueeze(1) * (r + 1)
+    (gathered * weights).sum().backward()
+    start = r * (r + 1) // 2
+    rows = torch.arange(start, start + r + 1, dtype=torch.float64).unsqueeze(1)
+    check(torch.allclose(g.grad, (rows * n * (n + 1) / 2).expand(r + 1, 2)), "allgather backward")
+
+    root = n - 1
+    c = rank_tensor(3).requires_grad_()
+    (hvd.broadcast(c, root) * (r + 1)).sum().backward()
+    want_c = torch.full((3,), n * (n + 1) / 2) if r == root else torch.zeros(3)
+    check(torch.allclose(c.grad, want_c.double()), "broadcast backward")
+
+    t = torch.ones(n, 1, dtype=torch.float64, requires_grad=True)
+    (hvd.alltoall(t) * (r + 1)).sum().backward()  # row d went to rank d
+    check(torch.allclose(t.grad.reshape(-1), torch.arange(1, n + 1, dtype=torch.float64)),
+          "alltoall backward")
+
+    s = torch.ones(n, 2, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(s, op=hvd.Sum) * (r + 1)).sum().backward()
+    check(torch.allclose(s.grad, torch.arange(1, n + 1, dtype=torch.float64)
+                         .unsqueeze(1).expand(n, 2)), "reducescatter backward")
+    m = rank_tensor(3).requires_grad_()
+    with pytest.raises(ValueError, match="gradient of allreduce"):
+        hvd.allreduce(m, op=hvd.Max).sum().backward()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compression_in_allreduce() -> None:
+    x = rank_tensor(4, torch.float32) / 7
+    for compression, tol in ((hvd.Compression.fp16, 1e-3), (hvd.Compression.bf16, 1e-2)):
+        y = hvd.allreduce(x, op=hvd.Sum, compression=compression)
+        check(y.dtype == torch.float32 and torch.allclose(y, total(4, torch.float32) / 7,
+                                                          rtol=tol), str(compression))
+    ints = rank_tensor(4, torch.int64)
+    assert hvd.Compression.fp16.compress(ints)[0] is ints  # integers are not cast
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier_join_objects() -> None:
+    hvd.barrier()
+    last = hvd.size() - 1
+    if hvd.rank() == last:
+        time.sleep(1.0)  # joins well after the others
+    check(hvd.join() == last, "join returns the last rank to join")
+    check(hvd.join() in range(hvd.size()), "join again")
+    assert hvd.broadcast_object({"r": hvd.rank()}, root_rank=last) == {"r": last}
+    assert hvd.allgather_object(hvd.rank() ** 2) == [r * r for r in range(hvd.size())]
+    with pytest.raises(ValueError, match="root=99"):
+        hvd.broadcast_object(1, root_rank=99)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_parameters_and_optimizer_state() -> None:
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if hvd.rank() == 0:  # only the root has Adam state
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    flat = torch.cat([t.reshape(-1).double() for t in model.state_dict().values()])
+    state = torch.cat([v.reshape(-1).double() for s in opt.state.values()
+                       for v in s.values()])
+    every = hvd.allgather(torch.cat([flat, state]).unsqueeze(0))
+    check(len(opt.state) == 4 and bool((every == every[0]).all()),
+          "parameters, buffers and Adam state equal the root's")
+    torch.manual_seed(10 + hvd.rank())
+    other = torch.nn.Linear(3, 4)
+    hvd.broadcast_parameters(other.named_parameters(), root_rank=hvd.size() - 1)
+    w = hvd.allgather(other.weight.detach().unsqueeze(0))
+    check(bool((w == w[-1]).all()), "named_parameters generator")
+    with pytest.raises(ValueError, match="invalid params"):
+        hvd.broadcast_parameters(42)
+    with pytest.raises(ValueError, match="not a tensor"):
+        hvd.broadcast_parameters({"x": 1.0})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shutdown_and_init_again() -> None:
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(RuntimeError, match="init"):
+        hvd.size()
+    hvd.init()
+    check(torch.equal(hvd.allreduce(rank_tensor(), op=hvd.Sum), total()), "after re-init")

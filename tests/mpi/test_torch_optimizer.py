@@ -1,0 +1,277 @@
+"""mpitrain.torch.DistributedOptimizer: equivalence, overlap, hook order, misuse."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_all_ranks
+
+torch = pytest.importorskip("torch")
+import mpitrain.torch as hvd  # noqa: E402
+
+BATCH = 120
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _init(comm: Any) -> None:
+    hvd.init()
+    torch.manual_seed(0)
+
+
+def make_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 3)).double()
+
+
+def make_optimizer(kind: str, params: Any) -> Any:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(params, lr=0.05, weight_decay=0.01)
+
+
+def data(step: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(BATCH, 5, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 3, generator=g, dtype=torch.float64))
+
+
+def loss_fn(model: Any, x: Any, y: Any, scale: float) -> Any:
+    return 0.5 * scale * ((model(x) - y) ** 2).sum()
+
+
+def reference(kind: str) -> list[Any]:
+    model = make_model()
+    opt = make_optimizer(kind, model.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(step)
+        loss_fn(model, x, y, 1.0 / BATCH).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_close_all_ranks(got: list[Any], want: list[Any], rtol: float, what: str) -> None:
+    err = max(float((g - w).abs().max() / w.abs().max()) for g, w in
+              zip(got, [w.detach() for w in want]))
+    assert_all_ranks(hvd_comm(), err <= rtol, f"{what}: relative error {err:.3g}")
+
+
+def hvd_comm() -> Any:
+    import mpitrain as mt
+
+    return mt.default_communicator()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_equivalence_with_one_big_batch(kind: str, passes: int) -> None:
+    model = make_model(seed=hvd.rank())  # differ on purpose: the broadcast fixes them
+    opt = hvd.DistributedOptimizer(make_optimizer(kind, model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    shard = BATCH // hvd.size()
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(step)
+        mine = slice(hvd.rank() * shard, (hvd.rank() + 1) * shard)
+        for xs, ys in zip(x[mine].chunk(passes), y[mine].chunk(passes)):
+            loss_fn(model, xs, ys, 1.0 / shard).backward()
+        opt.step()
+    got = [p.detach() for p in model.parameters()]
+    assert_close_all_ranks(got, reference(kind), 1e-12, f"{kind} passes={passes}")
+
+
+class WaitForAllreduce(torch.autograd.Function):
+    """Identity whose backward blocks until the named allreduces have finished."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, optimizer: Any, names: list[str]) -> Any:
+        ctx.optimizer, ctx.names = optimizer, names
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        deadline = time.monotonic() + 60
+        while True:
+            handles = ctx.optimizer.reducer.handles()
+            if all(n in handles and handles[n].test() for n in ctx.names):
+                return grad, None, None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"allreduces {ctx.names} did not finish during backward: "
+                                   f"in flight {sorted(handles)}")
+            time.sleep(0.001)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduces_run_while_backward_runs() -> None:
+    """The last layer's gradients are averaged before backward reaches the first layer."""
+    first, last = torch.nn.Linear(4, 8).double(), torch.nn.Linear(8, 2).double()
+    params = [("first.weight", first.weight), ("first.bias", first.bias),
+              ("last.weight", last.weight), ("last.bias", last.bias)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1),
+                                   named_parameters=params)
+    late = ["grad.last.weight", "grad.last.bias"]
+    x = torch.full((3, 4), float(hvd.rank() + 1), dtype=torch.float64)
+    loss = last(WaitForAllreduce.apply(first(x), opt, late)).sum()
+    loss.backward()
+    backward_end = time.perf_counter()
+    handles = opt.reducer.handles()
+    early = [handles["grad.first.weight"], handles["grad.first.bias"]]
+    overlapped = all(handles[n].finished_at is not None and handles[n].finished_at <
+                     min(h.submitted_at for h in early) for n in late)
+    assert_all_ranks(hvd_comm(), overlapped and all(handles[n].started_at < backward_end
+                                                    for n in late),
+                     "the last layer's allreduces must finish before the first layer's "
+                     "gradients exist")
+    opt.step()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hooks_fire_in_rank_dependent_order() -> None:
+    """Two branches evaluated in a rank-dependent order: hooks (and allreduces) differ."""
+    torch.manual_seed(1)
+    a, b = torch.nn.Linear(3, 2).double(), torch.nn.Linear(3, 2).double()
+    ref = copy.deepcopy((a, b))
+    named = [(f"a.{n}", p) for n, p in a.named_parameters()] + \
+            [(f"b.{n}", p) for n, p in b.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.5),
+                                   named_parameters=named)
+    fired: list[str] = []
+    for name, p in named:
+        p.register_post_accumulate_grad_hook(lambda _, n=name: fired.append(n))
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3) + hvd.rank()
+    outs = (a(x), b(x)) if hvd.rank() % 2 == 0 else tuple(reversed((b(x), a(x))))
+    (outs[0] * 2 + outs[1]).pow(2).sum().backward()
+    opt.step()
+    orders = hvd.allgather_object(fired)
+    if hvd.size() > 1:
+        assert orders[0] != orders[1], "the test needs ranks whose hook order differs"
+    ra, rb = ref
+    ref_opt = torch.optim.SGD([*ra.parameters(), *rb.parameters()], lr=0.5)
+    for r in range(hvd.size()):
+        xr = torch.arange(12, dtype=torch.float64).reshape(4, 3) + r
+        ((ra(xr) * 2 + rb(xr)).pow(2).sum() / hvd.size()).backward()
+    ref_opt.step()
+    assert_close_all_ranks([p.detach() for _, p in named],
+                           [*ra.parameters(), *rb.parameters()], 1e-12, "hook order")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_options_groups_compression_predivide() -> None:
+    for options, rtol in (({"groups": 2}, 1e-12), ({"gradient_predivide_factor": 2.0}, 1e-12),
+                          ({"compression": hvd.Compression.fp16}, 1e-3),
+                          ({"compression": hvd.Compression.bf16}, 1e-2)):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()), **options)
+        shard = BATCH // hvd.size()
+        x, y = data(0)
+        mine = slice(hvd.rank() * shard, (hvd.rank() + 1) * shard)
+        loss_fn(model, x[mine], y[mine], 1.0 / shard).backward()
+        opt.step()
+        ref = make_model()
+        ref_opt = make_optimizer("sgd", ref.parameters())
+        loss_fn(ref, x, y, 1.0 / BATCH).backward()
+        ref_opt.step()
+        assert_close_all_ranks([p.detach() for p in model.parameters()],
+                               [p.detach() for p in ref.parameters()], rtol, str(options))
+        assert all(p.grad.dtype == torch.float64 for p in model.parameters())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients(sparse_as_dense: bool) -> None:
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(10, 4, sparse=True).double()
+    ref = copy.deepcopy(emb)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=sparse_as_dense)
+    rows = torch.tensor([hvd.rank() % 10, (3 * hvd.rank() + 1) % 10, 7])
+    emb(rows).sum().backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    for r in range(hvd.size()):
+        (ref(torch.tensor([r % 10, (3 * r + 1) % 10, 7])).sum() / hvd.size()).backward()
+    ref_opt.step()
+    assert_close_all_ranks([emb.weight.detach()], [ref.weight.detach()], 1e-12,
+                           f"sparse_as_dense={sparse_as_dense}")
+    assert emb.weight.grad.is_sparse != sparse_as_dense
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wrapper_delegates_and_refuses_misuse() -> None:
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    assert opt.defaults == inner.defaults and "SGD" in repr(opt)
+    opt.param_groups[0]["lr"] = 0.2
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.2
+    x, y = data(0)
+    loss_fn(model, x, y, 1.0).backward()
+    with pytest.raises(ValueError, match=r"zero_grad\(\) was called after backward"):
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="increase backward_passes_per_step"):
+        loss_fn(model, x, y, 1.0).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not named"):
+        opt.add_param_group({"params": [extra]})  # named_parameters lacks it
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain.add_param_group({"params": [extra]})
+    (extra * (hvd.rank() + 1)).sum().backward()
+    plain.step()
+    assert_all_ranks(hvd_comm(), torch.allclose(
+        extra, torch.full((2,), 1 - 0.1 * (hvd.size() + 1) / 2, dtype=torch.float64)),
+        "add_param_group parameters are averaged")
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hvd.DistributedOptimizer(inner, named_parameters=list(model.parameters()))
+    with pytest.raises(ValueError, match="must be unique"):
+        hvd.DistributedOptimizer(inner, named_parameters=[("w", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(inner, named_parameters=list(model.named_parameters())[:1])
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(inner, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="needs op=Average"):
+        hvd.DistributedOptimizer(inner, op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_skip_synchronize_for_clipping() -> None:
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(0)
+    shard = BATCH // hvd.size()
+    mine = slice(hvd.rank() * shard, (hvd.rank() + 1) * shard)
+    loss_fn(model, x[mine], y[mine], 1.0 / shard).backward()
+    opt.synchronize()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    norms = hvd.allgather_object(norm)
+    assert_all_ranks(hvd_comm(), np.allclose(norms, norms[0], rtol=1e-12),
+                     f"after synchronize() every rank holds the average: {norms}")
+    with opt.skip_synchronize():
+        opt.step()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.synchronize()
+        opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_models_raise_runtime_error() -> None:
+    width = 3 if hvd.rank() == 0 else 4
+    p = torch.nn.Parameter(torch.ones(width, dtype=torch.float64))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)])
+    p.sum().backward()
+    with pytest.raises(RuntimeError, match=r"grad\.p"):
+        opt.step()

@@ -1,0 +1,235 @@
+"""Soak test: thousands of randomized collectives, every result checked against numpy.
+
+``python tests/soak.py`` (``make soak``) runs one ``mpirun`` job per rank count
+(``--ranks 2,3,4,5``) sharing ``--total`` collectives, and prints one line per job and
+a total; it exits non-zero if any result was wrong or any job failed.
+
+Each job (``--worker``) draws the same sequence of cases on every rank from
+``--seed``: collective (allreduce, in place or into ``out=``, reduce-scatter,
+allgather with rows that differ by rank, broadcast, broadcast in place, object
+collectives, barrier), dtype, op, element count (0, 1, fewer than the ranks, and
+log-uniform up to ``--max-count``), shape, algorithm, power-of-two scaling,
+non-contiguous input and the ring's segment size. Inputs come from
+``helpers.crafted``, whose reductions are exact in every dtype, so every rank checks
+its result bit for bit against a numpy reference it computes from every rank's input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import DTYPES, crafted, ops_for, reference
+
+KINDS = ("allreduce", "allreduce_", "allreduce_out", "reduce_scatter", "allgather",
+         "broadcast", "broadcast_", "broadcast_object", "allgather_object", "barrier")
+WEIGHTS = np.array([6, 3, 2, 5, 4, 3, 2, 1, 1, 1], float)
+SMALL_SEGMENTS = ("", "", "", "64", "1K", "24")  # many segments: only for small counts
+LARGE_SEGMENTS = ("", "", "64K", "256K")
+
+
+def draw_count(rng: np.random.Generator, size: int, max_count: int) -> int:
+    """0, 1, fewer than the ranks, or log-uniform up to ``max_count``."""
+    pick = rng.integers(8)
+    if pick == 0:
+        return 0
+    if pick == 1:
+        return 1
+    if pick == 2:
+        return int(rng.integers(max(size - 1, 1) + 1))
+    return int(np.exp(rng.uniform(0, np.log(max_count))))
+
+
+def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
+    """Run one randomized collective; return its description and whether it was right."""
+    import mpitrain as mt
+    from mpitrain.algorithms import ALGORITHMS
+
+    size, rank = comm.size, comm.rank
+    kind = str(rng.choice(KINDS, p=WEIGHTS / WEIGHTS.sum()))
+    dtype = str(rng.choice(DTYPES))
+    count = draw_count(rng, size, max_count)
+    segments = SMALL_SEGMENTS if count <= 4096 else LARGE_SEGMENTS
+    os.environ["MPITRAIN_SEGMENT_BYTES"] = str(segments[rng.integers(len(segments))])
+    base = kind.rstrip("_").removesuffix("_out")
+    algorithms = ("auto", *ALGORITHMS.get(base, ()))
+    algorithm = str(rng.choice(algorithms))
+    what = f"{kind} {dtype}[{count}] {algorithm} seg={os.environ['MPITRAIN_SEGMENT_BYTES']}"
+
+    if kind == "barrier":
+        comm.barrier()
+        return what, True
+    if kind == "broadcast_object":
+        root = int(rng.integers(size))
+        got = comm.broadcast_object({"root": root, "rank": rank, "data": list(range(count % 50))},
+                                    root=root)
+        return what, got == {"root": root, "rank": root, "data": list(range(count % 50))}
+    if kind == "allgather_object":
+        got = comm.allgather_object(("x" * (count % 40), rank))
+        return what, got == [("x" * (count % 40), r) for r in range(size)]
+    if kind.startswith("broadcast"):
+        root = int(rng.integers(size))
+        what += f" root={root}"
+        x = crafted(rank, count, dtype, mt.Sum)
+        want = crafted(root, count, dtype, mt.Sum)
+        got = comm.broadcast(x, root=root, algorithm=algorithm) if kind == "broadcast" \
+            else comm.broadcast_(x, root=root, algorithm=algorithm)
+        return what, _same(got, want)
+    if kind == "allgather":
+        row = int(rng.integers(1, 4))
+        rows = [int(rng.integers(count // row + 1)) for _ in range(size)]
+        what += f" rows={rows}x{row}"
+        blocks = [crafted(r, rows[r] * row, dtype, mt.Sum).reshape(rows[r], row)
+                  for r in range(size)]
+        return what, _same(comm.allgather(blocks[rank], algorithm=algorithm),
+                           np.concatenate(blocks))
+    ops = ops_for(dtype)
+    op = ops[rng.integers(len(ops))]
+    float_like = np.dtype(dtype).kind == "f" or dtype == "bfloat16"
+    pre, post = (float(2.0 ** rng.integers(-1, 2)), float(2.0 ** rng.integers(-1, 2))) \
+        if float_like and op in (mt.Sum, mt.Average) else (1.0, 1.0)
+    what += f" {op.value} pre={pre:g} post={post:g}"
+    x = crafted(rank, count, dtype, op)
+    want = _scaled(reference(size, count, dtype, mt.Sum if op is mt.Average else op),
+                   op, size, pre, post)
+    if kind == "reduce_scatter":
+        row = int(rng.integers(1, 4))
+        n = count // row * row
+        x, want = x[:n].reshape(-1, row), want[:n].reshape(-1, row)
+        got = comm.reduce_scatter(x, op=op, algorithm=algorithm, prescale_factor=pre,
+                                  postscale_factor=post)
+        return what + f" row={row}", _same(got, np.array_split(want, size)[rank])
+    if rng.integers(4) == 0 and count:  # non-contiguous input: every other element
+        wide = np.repeat(x, 2)
+        x = wide[::2]
+        what += " strided"
+    if kind == "allreduce":
+        got = comm.allreduce(x, op=op, algorithm=algorithm, prescale_factor=pre,
+                             postscale_factor=post)
+    elif kind == "allreduce_out":
+        out = np.empty(x.shape, x.dtype)
+        got = comm.allreduce(x, op=op, algorithm=algorithm, prescale_factor=pre,
+                             postscale_factor=post, out=out)
+        if got is not out:
+            return what, False
+    else:
+        got = comm.allreduce_(x, op=op, algorithm=algorithm, prescale_factor=pre,
+                              postscale_factor=post)
+    return what, _same(got, want)
+
+
+def _scaled(acc: np.ndarray, op: Any, size: int, pre: float, post: float) -> np.ndarray:
+    """The reference of ``reference()`` with Average and the scaling factors applied."""
+    import mpitrain as mt
+
+    acc = acc.copy()
+    if pre != 1.0:
+        np.multiply(acc, pre, out=acc, casting="unsafe")
+    if op is mt.Average:
+        if acc.dtype.kind in "iu":
+            np.floor_divide(acc, size, out=acc)
+        else:
+            np.multiply(acc, post / size, out=acc, casting="unsafe")
+    elif post != 1.0:
+        np.multiply(acc, post, out=acc, casting="unsafe")
+    return acc
+
+
+def _same(got: Any, want: np.ndarray) -> bool:
+    got = np.asarray(got)
+    return (got.shape == want.shape and got.dtype == want.dtype
+            and bool(np.array_equal(got, want, equal_nan=True)))
+
+
+def worker(count: int, seed: int, max_count: int) -> int:
+    """One job: ``count`` cases; rank 0 prints a JSON summary as its last line."""
+    import mpitrain as mt
+
+    comm = mt.init()
+    rng = np.random.default_rng(seed)
+    wrong: list[str] = []
+    kinds: dict[str, int] = {}
+    started = time.perf_counter()
+    for i in range(count):
+        try:
+            what, ok = one_case(comm, rng, max_count)
+        except Exception:
+            sys.stderr.write(f"rank {comm.rank}: case {i} raised:\n{traceback.format_exc()}")
+            raise
+        kinds[what.split()[0]] = kinds.get(what.split()[0], 0) + 1
+        if not ok:
+            wrong.append(f"rank {comm.rank} case {i}: {what}")
+    all_wrong = [w for ws in comm.allgather_object(wrong) for w in ws]
+    if comm.rank == 0:
+        print(json.dumps({"ranks": comm.size, "collectives": count, "wrong": all_wrong,
+                          "kinds": kinds, "seconds": round(time.perf_counter() - started, 1)}),
+              flush=True)
+    mt.shutdown()
+    return 1 if all_wrong else 0
+
+
+def driver(ranks: list[int], total: int, seed: int, max_count: int) -> int:
+    """One mpirun job per rank count; print each job's line and the total."""
+    venv_bin = Path(sys.executable).parent
+    mpirun = str(venv_bin / "mpirun") if (venv_bin / "mpirun").exists() else "mpirun"
+    flags = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+             "--mca", "threads_pthreads_yield_strategy", "nanosleep", "-x", "PYTHONPATH"]
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    done, failures = 0, 0
+    shares = [total // len(ranks) + (i < total % len(ranks)) for i in range(len(ranks))]
+    for i, (n, share) in enumerate(zip(ranks, shares)):
+        cmd = [mpirun, *flags, "-np", str(n), sys.executable, __file__, "--worker",
+               "--count", str(share), "--seed", str(seed + i), "--max-count", str(max_count)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+            rc, stdout, out = proc.returncode, proc.stdout, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            rc, stdout, out = -1, "", "[killed after 1800 s]"
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            failures += 1
+            print(f"soak: the job at {n} ranks failed (exit {rc}):\n{out[-4000:]}")
+            continue
+        summary = json.loads(lines[-1])
+        done += summary["collectives"]
+        failures += len(summary["wrong"])
+        print(f"soak: {summary['collectives']} collectives at {n} ranks in "
+              f"{summary['seconds']} s, {len(summary['wrong'])} wrong; by kind: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(summary["kinds"].items())))
+        for w in summary["wrong"][:20]:
+            print(f"  WRONG {w}")
+    print(f"soak: {done} collectives verified against numpy, {failures} wrong or failed "
+          f"(ranks {','.join(map(str, ranks))}, seed {seed})")
+    return 1 if failures or done != total else 0
+
+
+def main() -> int:
+    """Parse the command line and run the driver or a worker."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="2,3,4,5", help="rank counts, one job each")
+    p.add_argument("--total", type=int, default=10_000, help="collectives over all jobs")
+    p.add_argument("--seed", type=int, default=2024)
+    p.add_argument("--max-count", type=int, default=1 << 18, help="largest element count")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.count, args.seed, args.max_count)
+    return driver([int(n) for n in args.ranks.split(",")], args.total, args.seed,
+                  args.max_count)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

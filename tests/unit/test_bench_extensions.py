@@ -1,0 +1,126 @@
+"""The harness's baselines and measurements beyond the table: gloo columns, columns
+without validation, peak memory, copy bandwidth, and the BENCHMARKS.md report."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import mpitrain as mt
+from benchmarks import gloo, harness, memory, report
+from benchmarks.collectives import COLLECTIVES
+from benchmarks.hooks import Case
+
+
+@pytest.fixture(scope="module")
+def comms() -> Any:
+    """A validating and a non-validating communicator and a duplicate, over COMM_SELF,
+    and torch.distributed with a one-rank gloo group when torch is installed."""
+    comm = mt.Communicator(MPI.COMM_SELF, check=True)
+    unchecked = mt.Communicator(MPI.COMM_SELF, check=False)
+    world = MPI.COMM_SELF.Dup()
+    dist = gloo.init(world) if gloo.available() else None
+    yield comm, unchecked, world, dist
+    if dist is not None:
+        gloo.finish()
+    for c in (comm, unchecked):
+        c.free()
+    world.Free()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint32"])
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_every_baseline_and_check_column_verifies(comms: Any, name: str, dtype: str) -> None:
+    comm, unchecked, world, dist = comms
+    impls = "mpitrain,mpi,gloo" if dist is not None else "mpitrain,mpi"
+    opts = harness.parse_args([name, "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-d", dtype,
+                               "-o", "avg", "--impl", impls, "--check", "on,off"], nranks=1)
+    case = Case(16, opts.dtype, opts.op, opts.root, 0, 1)
+    results = harness.measure(opts, case, comm, world, unchecked, dist)
+    labels = {r.impl for r in results}
+    assert {"mpitrain", "mpitrain[nocheck]", "mpi"} <= labels
+    if dist is not None and dtype != "uint32":  # gloo does not reduce wide unsigned types
+        assert "gloo" in labels
+    assert all(r.wrong == 0 for r in results), results
+    assert all(r.extra_mib >= 0 or r.extra_mib == memory.UNKNOWN for r in results)
+
+
+def test_make_impls_expands_checks_and_keeps_baselines() -> None:
+    impls = harness.make_impls(["mpitrain", "mpi", "gloo"], ["auto", "ring"], [True, False])
+    assert [i.label for i in impls] == [
+        "mpitrain:auto", "mpitrain:ring", "mpitrain:auto[nocheck]", "mpitrain:ring[nocheck]",
+        "mpi", "gloo"]
+    assert [i.check for i in impls[:4]] == [True, True, False, False]
+    pairs = harness.ratio_pairs(impls)
+    assert ("mpi", "mpitrain:ring[nocheck]") in pairs and ("gloo", "mpitrain:auto") in pairs
+    with pytest.raises(SystemExit):
+        harness.parse_args(["allreduce", "--check", "maybe"], nranks=1, quiet=True)
+
+
+def test_peak_extra_sees_a_large_allocation() -> None:
+    import numpy as np
+
+    held = []
+    extra = memory.peak_extra(lambda: held.append(np.ones(64 << 17)))  # 64 MiB, touched
+    if extra == memory.UNKNOWN:
+        pytest.skip("no resettable high-water mark here")
+    assert 60 <= extra <= 80
+    assert memory.peak_extra(lambda: None) < 8
+
+
+def test_copy_bandwidth_is_positive() -> None:
+    one, together = memory.copy_bandwidth(MPI.COMM_SELF, nbytes=8 << 20, reps=2)
+    assert one > 0.1 and together > 0.1
+
+
+def test_overhead_lines_and_bound() -> None:
+    def result(impl: str, size: int, time_us: float) -> harness.Result:
+        return harness.Result(size, 1, "float32", "sum", -1, impl, False, time_us, time_us,
+                              time_us, 1.0, 1.0, 0)
+
+    lines = harness.overhead_lines([result("mpitrain", 4, 5.0), result("mpi", 4, 2.0),
+                                    result("mpitrain[nocheck]", 4, 4.5),
+                                    result("mpitrain", 64, 9.0)])
+    assert lines[0].startswith("# Per-call cost at 4 B : mpitrain 5.00 us = native 2.00 us "
+                               "+3.00 us (2.50x native)")
+    assert "+0.50 us per call" in lines[1]
+    bound = harness.direct_bound(COLLECTIVES["allreduce"], 2, 30.0)
+    assert bound == pytest.approx(30.0 / 5 * 1.0)
+
+
+def _doc(collective: str, ranks: int, impls: list[str], times: dict[str, dict[int, float]],
+         command: str) -> dict[str, Any]:
+    results = [{"size": size, "impl": impl, "inplace": False, "time_us": t,
+                "busbw": size / t / 1e3, "extra_mib": 1.0}
+               for impl, by_size in times.items() for size, t in by_size.items()]
+    return {"collective": collective, "command": command,
+            "machine": {"ranks": ranks, "copy_gbps_one": 20.0, "copy_gbps_all": 30.0},
+            "settings": {"impls": impls, "iters": 10}, "results": results}
+
+
+def test_report_tables_and_targets(tmp_path: Any) -> None:
+    mib = 1 << 20
+    times = {"mpitrain": {4: 3.0, 16 * mib: 1000.0}, "mpi": {4: 2.0, 16 * mib: 2000.0},
+             "gloo": {4: 300.0, 16 * mib: 5000.0}}
+    (tmp_path / "allreduce-np2.json").write_text(json.dumps(
+        _doc("allreduce", 2, list(times), times, "mpirun -np 2 python -m benchmarks x")))
+    over = {"mpitrain": {4: 5.0}, "mpitrain[nocheck]": {4: 4.0}, "mpi": {4: 2.0}}
+    (tmp_path / "allreduce-np2-overhead.json").write_text(json.dumps(
+        _doc("allreduce", 2, list(over), over, "cmd-overhead")))
+    (tmp_path / "BENCHMARKS.template.md").write_text("# Benchmarks\n\n{{results}}\n")
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(tmp_path), "-t", str(tmp_path / "BENCHMARKS.template.md"),
+                        "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "| allreduce >= 16 MiB: busbw >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 | yes |" \
+        in text
+    assert "| allreduce <= 16 KiB: latency <= 2x native (validation on) | 2 | 0.40 (4 B) | " \
+           "0.50 | no, 80% of the goal |" in text
+    assert "| 4 B | 3.0 us | 2.0 us | 300.0 us | 0.67 | 100.00 |" in text
+    assert "mpirun -np 2 python -m benchmarks x" in text and "cmd-overhead" in text
+    assert report.main([str(tmp_path / "nothing-here")]) == 1
+    assert os.path.exists(out)

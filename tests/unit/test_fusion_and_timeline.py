@@ -1,0 +1,101 @@
+"""Fusion bucket planning and the timeline writer, without launching MPI jobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpitrain as mt
+from benchmarks import harness
+from mpitrain import config
+from mpitrain.backends import NUMPY
+from mpitrain.engine.fusion import fusion_key, plan_buckets
+from mpitrain.engine.request import Entry, Handle, Request
+from mpitrain.timeline import Timeline
+
+
+def request(name: str, *arrays: Any, kind: str = "allreduce", op: mt.ReduceOp = mt.Sum,
+            grouped: bool = False, algorithm: str = "auto") -> Request:
+    entries = [Entry(a, NUMPY, a.dtype) for a in arrays]
+    key = fusion_key("numpy", arrays[0].dtype, op.value, 1.0, 1.0, algorithm)
+    return Request(name, kind, "sig", entries, Handle(name), op=op, grouped=grouped,
+                   algorithm=algorithm, fusion=key)
+
+
+def names(buckets: list[Any]) -> list[list[str]]:
+    return [[r.name for r, _ in b.items] for b in buckets]
+
+
+def test_buckets_fill_up_to_the_threshold_per_key() -> None:
+    kib = np.zeros(256, np.float32)  # 1 KiB
+    reqs = [request(f"f{i}", kib) for i in range(5)]
+    reqs.insert(2, request("d", np.zeros(8, np.float64)))
+    reqs.insert(3, request("max", kib, op=mt.Max))
+    assert names(plan_buckets(reqs, 2048)) == [["f0", "f1"], ["d"], ["max"], ["f2", "f3"],
+                                               ["f4"]]
+    assert names(plan_buckets(reqs, 64 << 20)) == [["f0", "f1", "f2", "f3", "f4"], ["d"],
+                                                   ["max"]]
+
+
+def test_large_entries_other_kinds_and_threshold_zero_run_alone() -> None:
+    big, small = np.zeros(1024, np.uint8), np.zeros(4, np.uint8)
+    reqs = [request("s0", small), request("big", big), request("s1", small),
+            request("g", small, kind="allgather"), request("s2", small),
+            request("ring", small, algorithm="ring")]
+    assert names(plan_buckets(reqs, 1024)) == [["s0", "s1", "s2"], ["big"], ["g"], ["ring"]]
+    assert len(plan_buckets(reqs, 0)) == len(reqs)
+
+
+def test_groups_stay_together_whatever_their_size() -> None:
+    group = request("grp", np.zeros(1000, np.float32), np.zeros(3, np.int8),
+                    np.zeros(1000, np.float32), grouped=True)
+    buckets = plan_buckets([request("x", np.zeros(2, np.float32)), group], 16)
+    assert [[e.count for _, e in b.items] for b in buckets] == [[2], [1000, 1000], [3]]
+
+
+def test_timeline_file_is_valid_json_after_every_flush(tmp_path: Any) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path))
+    assert isinstance(json.loads(path.read_text()), list)
+    t = tl._origin
+    for i in range(3):
+        tl.span(7, "engine 7", f"grad/{i}", "QUEUE", t + i, t + i + 0.5, {"bytes": 4})
+        tl.span(7, "engine 7", f"grad/{i}", "ALLREDUCE(ring)", t + i + 0.5, t + i + 1)
+        tl.flush()
+        events = json.loads(path.read_text())
+        spans = [e for e in events if e["ph"] == "X"]
+        assert len(spans) == 2 * (i + 1)
+    tl.close()
+    events = json.loads(path.read_text())
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows == {"grad/0", "grad/1", "grad/2"}
+    queue = next(e for e in events if e["name"] == "QUEUE" and e["ts"] > 1e6)
+    assert queue["dur"] == pytest.approx(0.5e6) and queue["pid"] == 7
+
+
+def test_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert config.FUSION_THRESHOLD.get() == 64 << 20
+    monkeypatch.setenv("MPITRAIN_FUSION_THRESHOLD", "1M")
+    monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "0.25")
+    assert (config.FUSION_THRESHOLD.get(), config.CYCLE_TIME_MS.get()) == (1 << 20, 0.25)
+    monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "soon")
+    with pytest.raises(ValueError, match="MPITRAIN_CYCLE_TIME_MS='soon'"):
+        config.CYCLE_TIME_MS.get()
+
+
+def test_fusion_benchmark_verifies_and_writes_json(tmp_path: Any,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+
+    out = tmp_path / "fusion.json"
+    assert harness.main(["fusion", "-b", "1K", "-e", "2K", "-t", "7", "-n", "2", "-w", "1",
+                         "-d", "int32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fused/one" in text and "Out of bounds values : 0 OK" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["size"], r["mode"], r["wrong"]) for r in rows] == [
+        (1024, "out-of-place", 0), (1024, "in-place", 0), (2048, "out-of-place", 0),
+        (2048, "in-place", 0)]
+    assert all(r["collectives_per_fused_call"] >= 1 for r in rows)

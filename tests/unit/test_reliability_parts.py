@@ -1,0 +1,56 @@
+"""Stall reports, stall settings and the excepthook's opt-out, without launching MPI."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from mpitrain import config, excepthook
+from mpitrain.comm.inspector import PeerState, describe
+
+
+def test_stall_report_names_late_other_and_silent_ranks() -> None:
+    peers = [PeerState(1, 7, False, "broadcast"), PeerState(2, 8, True, "allreduce"),
+             PeerState(3, 8, True, "barrier"), PeerState(4, None)]
+    report = describe(2, "allreduce", 8, 61.0, peers)
+    assert report.startswith("rank 2: allreduce (collective #8 on this communicator) has "
+                             "waited 61.0 s: rank 1 has not called it (rank 1 is at #7 "
+                             "broadcast)")
+    assert "rank 3 called barrier as #8 instead" in report
+    assert "rank 4 has not answered" in report
+    two = describe(0, "barrier", 3, 1.0, [PeerState(1, 2, True, "x"), PeerState(2, 1)])
+    assert "ranks 1, 2 have not called it (rank 1 is at #2 x (waiting); rank 2 is at #1 " \
+           "(none))" in two
+    assert "every rank has called it" in describe(0, "allreduce", 3, 1.0,
+                                                  [PeerState(1, 3, True, "allreduce")])
+    assert "unknown (why)" in describe(0, "allreduce", 3, 1.0, None, "why")
+
+
+def test_stall_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPITRAIN_STALL_TIMEOUT_S", "off")
+    assert config.STALL_TIMEOUT_S.get() == 0.0
+    monkeypatch.setenv("MPITRAIN_STALL_TIMEOUT_S", "2.5")
+    assert config.STALL_TIMEOUT_S.get() == 2.5
+    monkeypatch.setenv("MPITRAIN_STALL_WARNING_S", "-1")
+    with pytest.raises(ValueError, match="MPITRAIN_STALL_WARNING_S='-1' is not valid"):
+        config.STALL_WARNING_S.get()
+    monkeypatch.setenv("MPITRAIN_STALL_ACTION", "Abort")
+    assert config.STALL_ACTION.get() == "abort"
+    monkeypatch.setenv("MPITRAIN_STALL_ACTION", "retry")
+    with pytest.raises(ValueError, match="expected one of raise, abort"):
+        config.STALL_ACTION.get()
+
+
+def test_excepthook_opt_out_and_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(excepthook, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    before = (sys.excepthook, threading.excepthook)
+    monkeypatch.setenv("MPITRAIN_ABORT_ON_EXCEPTION", "0")
+    excepthook.install()
+    assert (sys.excepthook, threading.excepthook) == before
+    monkeypatch.setenv("MPITRAIN_ABORT_ON_EXCEPTION", "1")
+    excepthook.install()
+    assert sys.excepthook is not before[0] and threading.excepthook is not before[1]
