@@ -47,9 +47,9 @@ from ..comm.topology import Topology
 from ..comm.transport import Request, Transport
 from .base import PlanRequest
 from .chunks import Bounds, bounds_from_counts, split_bounds
-from .doubling import RecursiveDoublingAllreduce
 from .native import NativeAllgather, NativeReduceScatter
 from .ring import RingAllgather, RingAllreduce, RingReduceScatter
+from .segmented_doubling import SegmentedDoublingAllreduce
 from .selection import select
 
 # Shards up to this size cross nodes by recursive doubling (fewer rounds); larger
@@ -100,7 +100,7 @@ def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
                               chunks=tuple(split_bounds(count, cross.size)),
                               segment_bytes=inter_segment_bytes(req.segment_bytes))
     if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
-        return RecursiveDoublingAllreduce(sub)
+        return SegmentedDoublingAllreduce(sub)
     return _Blocking(RingAllreduce(sub))
 
 

@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 import mpitrain as mt
 from mpitrain.algorithms import PlanRequest, hierarchical
-from mpitrain.algorithms.doubling import RecursiveDoublingAllreduce
+from mpitrain.algorithms.segmented_doubling import SegmentedDoublingAllreduce
 from mpitrain.backends import NUMPY
 from mpitrain.comm.topology import Topology
 
@@ -187,7 +187,7 @@ def test_recursive_doubling(comm: mt.Communicator, dtype: str) -> None:
         for count in (0, 1, comm.size - 1, 1001):
             req = PlanRequest(comm.transport, comm.topology, NUMPY, np.dtype(dtype),
                               mt.Sum, ((0, count),), 0, segment)
-            plan = RecursiveDoublingAllreduce(req)
+            plan = SegmentedDoublingAllreduce(req)
             x = crafted(comm.rank, count, dtype, mt.Sum)
             out = np.empty_like(x)
             plan.run(x, out)

@@ -152,3 +152,11 @@ def test_inter_node_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert inter_segment_bytes(1 << 20) == 1 << 20
     monkeypatch.setenv("MPITRAIN_INTER_SEGMENT_BYTES", "1M")
     assert inter_segment_bytes(0) == 1 << 20
+
+
+def test_allreduce_piece_count() -> None:
+    from mpitrain.algorithms.hierarchical import MAX_PIECES, PIECE_BYTES, piece_count
+
+    assert piece_count(0) == piece_count(PIECE_BYTES - 1) == 1
+    assert piece_count(2 * PIECE_BYTES) == 2
+    assert piece_count(1 << 40) == MAX_PIECES
