@@ -176,15 +176,22 @@ class GradientReducer(Generic[P]):
 
     def synchronize(self) -> None:
         """Submit what is left, wait for every allreduce and store the averaged gradients."""
+        error: BaseException | None = None
         try:
             for g in range(len(self.groups)):
                 if g not in self._submitted:
                     self._submit(g)
-            for sub in self._submitted.values():
-                for p, value, ctx in zip(sub.params, sub.collect(), sub.ctxs):
-                    self.bridge.assign(p, self.compression.decompress(value, ctx))
         finally:
+            # Wait for every group, even after a failure, so that no name stays in flight.
+            for sub in self._submitted.values():
+                try:
+                    for p, value, ctx in zip(sub.params, sub.collect(), sub.ctxs):
+                        self.bridge.assign(p, self.compression.decompress(value, ctx))
+                except Exception as exc:
+                    error = error or exc
             self._reset()
+        if error is not None:
+            raise error
         self.synchronized = True
 
     @property

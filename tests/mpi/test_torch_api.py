@@ -325,10 +325,19 @@ def test_broadcast_parameters_and_optimizer_state() -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_shutdown_and_init_again() -> None:
-    hvd.shutdown()
+def test_shutdown_and_init_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a communicator of its own, so the suite's communicator stays alive."""
+    monkeypatch.setattr(mt, "_default", None)
     assert not hvd.is_initialized()
     with pytest.raises(RuntimeError, match="init"):
         hvd.size()
     hvd.init()
-    check(torch.equal(hvd.allreduce(rank_tensor(), op=hvd.Sum), total()), "after re-init")
+    check(torch.equal(hvd.allreduce(rank_tensor(), op=hvd.Sum), total()), "after init")
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(RuntimeError, match="init"):
+        hvd.allreduce(rank_tensor())
+    hvd.init()
+    check(torch.equal(hvd.allreduce(rank_tensor(), op=hvd.Sum), total()) and
+          hvd.join() in range(hvd.size()), "after shutdown and init again")
+    hvd.shutdown()
