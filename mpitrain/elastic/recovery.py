@@ -43,7 +43,11 @@ def rank_failure(exc: BaseException | None) -> MPI.Exception | None:
 
 
 def abandon(comm: Communicator) -> None:
-    """Revoke every private communicator of ``comm`` and stop its stall inspector."""
+    """Revoke every private communicator of ``comm`` (and of its async engine, whose
+    thread then fails what is in flight) and stop its stall inspector."""
+    engine = getattr(comm, "_engine", None)
+    if engine is not None:
+        abandon(engine.comm)
     topology = comm.topology
     transports = (comm.transport, topology.local, topology.cross)
     for mpi_comm in (topology.local_comm, topology.cross_comm,

@@ -311,11 +311,11 @@ class Engine:
     def _cycle(self, incoming: list[Request], stopping: bool) -> bool:
         """Run one cycle; True if anything moved (on any rank)."""
         self.stats.cycles += 1
+        self._running = incoming  # before the exchange, so that _abort sees them if it fails
         agreement = self._negotiator.exchange([(r.name, r.signature) for r in incoming],
                                               stopping, config.FUSION_THRESHOLD.get())
         agreed_at = time.perf_counter()
         tl = timeline.current()
-        self._running = incoming
         if agreement.same:  # all of them, in submission order
             runnable = incoming
             ready = incoming

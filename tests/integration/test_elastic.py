@@ -66,9 +66,11 @@ def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> No
 
 
 def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:
-    """Under --elastic the excepthook kills the raising rank by SIGKILL; the others go on."""
+    """Under --elastic the excepthook kills the raising rank by SIGKILL; the others go on
+    (here reducing through the async engine, whose thread fails what is in flight)."""
     result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
-                                    str(tmp_path), "--raise-at", "3", "16"])), TIMEOUT_S)
+                                    str(tmp_path), "--raise-at", "3", "16", "--async"])),
+                    TIMEOUT_S)
     assert result.rc == 0, result.out
     assert "[rank 3] RuntimeError: rank 3 fails at step 16 on purpose" in result.out
     assert "killing this rank so the others go on without it" in result.out

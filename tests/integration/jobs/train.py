@@ -1,12 +1,14 @@
 """Least-squares training under mpitrain.elastic, with a rank that fails on request.
 
 Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP] [--checkpoint DIR]
+                       [--async]
 
 Every step reduces the gradient of a fixed global batch of ``BATCH`` samples, split
 over however many ranks there are, so the trajectory does not depend on the rank
 count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
 waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
-STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0). Each rank
+STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0). ``--async``
+reduces through the async engine (``allreduce_async``). Each rank
 that finishes writes ``OUT_DIR/rank<r>.json``: the step it started from, the states it
 resumed from after failures, the gradient of every step with the rank count that
 produced it, and its final parameters.
@@ -46,6 +48,7 @@ def main() -> None:
     p.add_argument("--victim", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--raise-at", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--checkpoint")
+    p.add_argument("--async", dest="use_async", action="store_true")
     args = p.parse_args()
     attempt = int(os.environ.get("MPITRAIN_RESTART", "0"))
     x, y = data()
@@ -69,7 +72,11 @@ def main() -> None:
                 raise RuntimeError(f"rank {first_rank} fails at step {state.step} on purpose")
             lo = state.step * BATCH
             rows = np.array_split(np.arange(lo, lo + BATCH), comm.size)[comm.rank]
-            g = comm.allreduce(gradient(x[rows], y[rows], state.params), op=mt.Sum) / BATCH
+            local = gradient(x[rows], y[rows], state.params)
+            if args.use_async:
+                g = comm.allreduce_async(local, op=mt.Sum, name="grad").wait() / BATCH
+            else:
+                g = comm.allreduce(local, op=mt.Sum) / BATCH
             log["steps"].append({"step": state.step, "size": comm.size, "grad": g.tolist()})
             state.params -= LR * g
             state.step += 1
