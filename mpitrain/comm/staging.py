@@ -220,7 +220,36 @@ class StagedRecv:
 StagedRequest = Union[StagedSend, StagedRecv]
 
 
-class StagingTransport:
+class _BlockingCalls:
+    """The blocking calls of :class:`~.transport.PeerTransport`, built from the
+    non-blocking ones of the device transports below."""
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        raise NotImplementedError
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        raise NotImplementedError
+
+    def wait(self, request: Any) -> None:
+        raise NotImplementedError
+
+    def waitall(self, requests: Sequence[Any]) -> None:
+        raise NotImplementedError
+
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self.wait(self.isend(buf, dest, tag))
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        """Blocking receive into ``buf`` from ``source``."""
+        self.wait(self.irecv(buf, source, tag))
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
+
+
+class StagingTransport(_BlockingCalls):
     """Point-to-point transfers of device buffers through pinned host slots.
 
     Args:
@@ -290,18 +319,6 @@ class StagingTransport:
         """Wait for one request."""
         request.Wait()
 
-    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        """Blocking send of ``buf`` to ``dest``."""
-        self.wait(self.isend(buf, dest, tag))
-
-    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
-        """Blocking receive into ``buf`` from ``source``."""
-        self.wait(self.irecv(buf, source, tag))
-
-    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
-        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
-        self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
-
     def waitall(self, requests: Sequence[StagedRequest | None]) -> None:
         """Wait for every request that is not ``None``."""
         for request in requests:
@@ -358,7 +375,7 @@ class StagingTransport:
                              f"the {self.slot_bytes}-byte staging slots of this plan")
 
 
-class DeviceDirectTransport:
+class DeviceDirectTransport(_BlockingCalls):
     """Device buffers handed to a CUDA-aware MPI, after the current stream's work on them.
 
     ``isend`` and ``irecv`` first wait (on the host) for the work queued so far on the
@@ -372,8 +389,11 @@ class DeviceDirectTransport:
         self.device = device
         self.event = device.new_event()
         self._transport = transport
-        self.wait = transport.wait
         self.collective = transport.collective
+
+    def wait(self, request: Any) -> None:
+        """Wait for one request."""
+        self._transport.wait(request)
 
     def _settle(self) -> None:
         self.event.record(self.device.current_stream())
@@ -392,18 +412,6 @@ class DeviceDirectTransport:
     def forward(self, request: Any, buf: Any, dest: int, tag: int) -> MPI.Request:
         """Send on what a completed receive wrote into ``buf``."""
         return self.comm.Isend(buf, dest, tag)
-
-    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        """Blocking send of ``buf`` to ``dest``."""
-        self.wait(self.isend(buf, dest, tag))
-
-    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
-        """Blocking receive into ``buf`` from ``source``."""
-        self.wait(self.irecv(buf, source, tag))
-
-    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
-        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
-        self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
 
     def waitall(self, requests: Sequence[MPI.Request | None]) -> None:
         """Wait for every request that is not ``None``."""
