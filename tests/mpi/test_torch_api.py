@@ -131,10 +131,16 @@ def test_async_poll_synchronize() -> None:
                for n in order}
     check(all(torch.equal(hvd.synchronize(pending[n]), total() * (i + 1))
               for i, n in enumerate(names)), "out-of-order names")
+    # Rank 0's "busy" cannot finish before the others submit it, after the barrier.
     x = rank_tensor()
-    h = hvd.allreduce_async(x, name="busy")
-    with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async(x, name="busy")
+    if hvd.rank() == 0:
+        h = hvd.allreduce_async(x, name="busy")
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(x, name="busy")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        h = hvd.allreduce_async(x, name="busy")
     hvd.synchronize(h)
 
 
