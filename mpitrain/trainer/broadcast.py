@@ -141,7 +141,8 @@ def _named_arrays(params: Any) -> list[tuple[str, Any]]:
                 items.append((getattr(entry, "name", None) or f"param.{i}", entry))
     named = []
     for name, value in items:
-        array = getattr(value, "data", value)
+        is_array = isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
+        array = value if is_array else getattr(value, "data", value)  # ndarray.data: bytes
         if not hasattr(array, "shape") or not hasattr(array, "dtype"):
             raise ArgumentError(f"broadcast_parameters: {name!r} is a "
                                 f"{type(value).__name__}, not an array or a parameter "

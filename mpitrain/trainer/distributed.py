@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import Communicator
 from ..ops import ReduceOp
 from .compression import Compression
@@ -20,7 +22,7 @@ class ArrayBridge:
     def grad(self, param: Any) -> Any:
         """``param.grad``, created as zeros of ``param.data``'s shape when missing."""
         if param.grad is None:
-            param.grad = param.data * 0
+            param.grad = np.zeros_like(param.data)  # cupy arrays: cupy zeros (__array_function__)
         return param.grad
 
     def buffer(self, value: Any) -> Any:

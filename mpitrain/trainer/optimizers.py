@@ -12,12 +12,15 @@ The protocol is small, so any optimizer can be wrapped by
   arrays and plain values (for :func:`~mpitrain.trainer.broadcast_optimizer_state`
   and :mod:`mpitrain.checkpoint`).
 
-Arrays may be numpy or cupy: the updates below use only array arithmetic.
+Arrays may be numpy or cupy: the updates below use only array arithmetic (and
+``np.zeros_like``, which cupy arrays answer with cupy arrays).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
 
 from ..errors import ArgumentError
 
@@ -81,7 +84,7 @@ class _BaseOptimizer:
                 raise ArgumentError(f"{type(self).__name__}: {name}={value} must be >= 0")
         self.hyper = dict(hyper)
         self.steps = 0
-        self.state = [{slot: p.data * 0 for slot in self.slots} for p in self.params]
+        self.state = [{slot: np.zeros_like(p.data) for slot in self.slots} for p in self.params]
 
     def zero_grad(self) -> None:
         """Set every gradient to zero (keeping the arrays, so views stay valid)."""

@@ -225,6 +225,10 @@ def test_broadcast_helpers(comm: mt.Communicator) -> None:
                      "broadcast_tree")
     assert trainer.broadcast_object({"r": comm.rank}, root_rank=0) == {"r": 0}
     assert trainer.allgather_object(comm.rank * 2) == [2 * r for r in range(comm.size)]
+    raw = {"a": np.full(3, float(comm.rank)), "b": np.full(2, comm.rank, np.int32)}
+    trainer.broadcast_parameters(raw, root_rank=comm.size - 1)  # plain arrays too
+    assert_all_ranks(comm, np.all(raw["a"] == comm.size - 1) and np.all(raw["b"] == comm.size - 1),
+                     "broadcast of plain arrays")
     with pytest.raises(ValueError, match="not an array"):
         trainer.broadcast_parameters([("x", "text")])
 
