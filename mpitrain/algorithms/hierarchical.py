@@ -12,11 +12,11 @@ and the local ranks above (only on larger nodes) take part inside their node onl
   allreduce of shard ``i`` among the local ranks ``i`` of all nodes, every local rank
   at once, so all shards cross the links in parallel: recursive doubling (a single
   exchange) for two nodes or small shards, the ring otherwise. Intra-node allgather
-  of the shards. A large buffer is cut into *pieces* (:func:`piece_count`) that
-  overlap: the shards of piece ``p`` start across nodes as soon as it is
-  reduce-scattered, while piece ``p + 1`` is; a shard goes to the node's other ranks
-  (one non-blocking send to each, so that no rank waits for a slower one) as soon as
-  it is final, while later shards are still between nodes.
+  of the shards. Between two nodes, a large buffer is cut into *pieces*
+  (:func:`piece_count`) that overlap: the shards of piece ``p`` start across nodes
+  as soon as it is reduce-scattered, while piece ``p + 1`` is; a shard goes to the
+  node's other ranks (one non-blocking send to each, so that no rank waits for a
+  slower one) as soon as it is final, while later shards are still between nodes.
 * **Reduce-scatter** and **allgather** keep their contract (rank ``r`` gets, or
   gives, chunk ``r``). Every rank belongs to column ``local_rank % columns``; the
   *packed* layout orders the chunks by column, then node, then rank, so that a
@@ -27,11 +27,15 @@ and the local ranks above (only on larger nodes) take part inside their node onl
   its block their chunk. Allgather runs the same steps backwards. Where the packed
   layout is the rank order (one node, or one rank per node) no copy is made.
 
-Inter-node messages are at most ``MPITRAIN_INTER_SEGMENT_BYTES`` (60 KiB), below
-the eager limit of Open MPI's TCP transport (64 KiB). Larger messages go by
-rendezvous: the sender waits for the receiver's go-ahead, which travels back on the
-same TCP connection as the receiver's own bulk data in the other direction and
-queues behind it; exchanges then run one direction at a time, up to twice as slow.
+Where two ranks exchange both ways over one connection (recursive doubling, and the
+ring between two nodes), inter-node messages are at most
+``MPITRAIN_INTER_SEGMENT_BYTES`` (60 KiB), below the eager limit of Open MPI's TCP
+transport (64 KiB). Larger messages go by rendezvous: the sender waits for the
+receiver's go-ahead, which travels back on the same TCP connection as the receiver's
+own bulk data in the other direction and queues behind it; exchanges then run one
+direction at a time, up to twice as slow. The ring on three or more nodes sends each
+way on different connections and keeps the usual segments (tiny ones cost it more
+in per-message overhead than they save).
 
 With one node the inter-node phase is empty and each collective is its flat
 intra-node form; with one rank per node the intra-node phases are empty.
@@ -97,10 +101,11 @@ def _begin(topo: Topology, collective: str) -> None:
 def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
     """The allreduce of one shard of ``count`` elements across nodes."""
     sub = dataclasses.replace(req, transport=cross,
-                              chunks=tuple(split_bounds(count, cross.size)),
-                              segment_bytes=inter_segment_bytes(req.segment_bytes))
+                              chunks=tuple(split_bounds(count, cross.size)))
     if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
-        return SegmentedDoublingAllreduce(sub)
+        # Pairs exchange both ways on one connection: keep the messages eager.
+        return SegmentedDoublingAllreduce(dataclasses.replace(
+            sub, segment_bytes=inter_segment_bytes(req.segment_bytes)))
     return _Blocking(RingAllreduce(sub))
 
 
@@ -179,7 +184,11 @@ class HierarchicalAllreduce:
 
     def __init__(self, req: PlanRequest) -> None:
         self.topology = req.topology
-        pieces = split_bounds(req.count, piece_count(req.count * req.dtype.itemsize))
+        # Only the two-node exchange runs in the background (start/finish); with more
+        # nodes the ring runs to completion and pieces would only add pipeline fills.
+        count = piece_count(req.count * req.dtype.itemsize) if self.topology.node_count == 2 \
+            else 1
+        pieces = split_bounds(req.count, count)
         self.pieces = [_Piece(req, lo, hi) for lo, hi in pieces]
 
     def run(self, src: Any, out: Any) -> None:
@@ -271,8 +280,9 @@ class _ColumnPlan:
         self.intra = _phase(collective, req, topo.local, lay.columns)
         # Across nodes our ring: it keeps to the inter-node segment size (MPI's own
         # collectives send large messages whole, by rendezvous).
+        # On two nodes the ring is an exchange both ways on one connection: eager.
         self.inter = _phase(collective, req, topo.cross, lay.node_blocks, "ring",
-                            inter_segment_bytes(req.segment_bytes)) \
+                            inter_segment_bytes(req.segment_bytes) if nodes == 2 else None) \
             if self.is_rep and nodes > 1 else None
         # The block goes straight to/from the caller's buffer when it is one chunk.
         self.own_block = lay.block_count == lay.own_count
