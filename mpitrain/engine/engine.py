@@ -230,6 +230,7 @@ class Engine:
         with self._cond:
             if self._closed is not None:
                 self._check_open()
+            given = name is not None  # generated names are unique: never tracked
             if name is None:
                 number = self._counters.get(kind, 0)
                 self._counters[kind] = number + 1
@@ -242,13 +243,15 @@ class Engine:
                     f"rank {self.rank}: an async operation named {name!r} is already in "
                     "flight; wait for its handle before submitting that name again, or give "
                     "this one another name")
+            handle = Handle(name, self._waiters, self._release_name)
             request = Request(name, "allreduce" if grouped else kind, signature, entries,
-                              Handle(name, self._waiters), op, prescale, postscale, algorithm,
-                              root, inplace, grouped, fusion)
+                              handle, op, prescale, postscale, algorithm, root, inplace,
+                              grouped, fusion)
             if not entries:  # an empty group: nothing to agree on or to move
                 request.handle._finish([], None)
                 return request.handle
-            self._in_flight.add(name)
+            if given:
+                self._in_flight.add(name)
             self._incoming.append(request)
             self._cond.notify()
         return request.handle
@@ -380,10 +383,13 @@ class Engine:
                 done.append(request)
         self._finish(*done)
 
-    def _finish(self, *requests: Request) -> None:
-        """Free the requests' names, then hand out their results (or errors)."""
+    def _release_name(self, name: str) -> None:
+        """The caller has seen the operation named ``name`` finish (its handle)."""
         with self._cond:
-            self._in_flight.difference_update([r.name for r in requests])
+            self._in_flight.discard(name)
+
+    def _finish(self, *requests: Request) -> None:
+        """Hand out the requests' results (or errors)."""
         self.stats.operations += len(requests)
         now = time.perf_counter()
         for request in requests:

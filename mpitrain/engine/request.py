@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,6 +34,10 @@ class Waiters:
 class Handle:
     """A collective in flight: ``wait()`` for its result, ``test()`` to poll it.
 
+    A given name stays in flight until the caller has seen its operation finish
+    (``wait()`` returned or raised, or ``test()`` returned True); only then may the
+    name be submitted again.
+
     Attributes:
         name: the operation's name (given, or ``"<kind>.noname.<n>"``).
         submitted_at: ``time.perf_counter()`` when it was submitted.
@@ -41,9 +45,11 @@ class Handle:
         finished_at: when its result was ready (``None`` before that).
     """
 
-    def __init__(self, name: str, waiters: Waiters | None = None) -> None:
+    def __init__(self, name: str, waiters: Waiters | None = None,
+                 release: Callable[[str], None] | None = None) -> None:
         self.name = name
         self._waiters = waiters
+        self._release = release  # frees the name once the caller has seen the result
         self.submitted_at: float = time.perf_counter()
         self.started_at: float | None = None
         self.finished_at: float | None = None
@@ -70,13 +76,23 @@ class Handle:
             finally:
                 if waiters is not None:
                     waiters.add(-1)
+        self._observed()
         if self._error is not None:
             raise self._error
         return self._result
 
     def test(self) -> bool:
         """True once the operation is done (its result or error is ready); never blocks."""
-        return self._done
+        if self._done:
+            self._observed()
+            return True
+        return False
+
+    def _observed(self) -> None:
+        """The caller has seen the operation done: its name may be submitted again."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.name)
 
     @property
     def done(self) -> bool:

@@ -215,6 +215,13 @@ def test_local_misuse_raises_at_submission(comm: mt.Communicator) -> None:
         comm.allreduce_async(x, name="dup")
     h.wait()
     comm.allreduce_async(x, name="dup").wait()  # finished names may be reused
+    h = comm.allreduce_async(x, name="held")
+    while not h.done:  # finished, but not yet seen through wait() or test()
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="'held' is already in flight"):
+        comm.allreduce_async(x, name="held")
+    assert h.test()
+    comm.allreduce_async(x, name="held").wait()
     ro = np.ones(4, np.float32)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
