@@ -109,9 +109,9 @@ class Negotiator:
                 # older is waiting: all of them are ready, in this rank's order.
                 agreement.ready = [name for name, _ in pairs]
                 agreement.same = True
-                for name, signature in pairs:
-                    if ".noname." not in name:
-                        self.remember(name, signature)
+                for pair in pairs:
+                    if pair not in numbers:  # a pair is numbered once
+                        self.remember(*pair)
             else:
                 for rank, data in enumerate(payloads):
                     self._record(rank, data)
@@ -127,7 +127,7 @@ class Negotiator:
                 first = sigs[0]
                 if any(sig != first for sig in sigs.values()):
                     agreement.mismatched[name] = sigs
-                else:
+                elif (name, first) not in self.numbers:
                     self.remember(name, first)
 
     def remember(self, name: str, signature: str) -> None:
