@@ -26,7 +26,6 @@ from ..hooks import (
     crafted,
     mpi_buffer,
     mpi_op,
-    no_reset,
     poison,
     reduced,
     restore,
@@ -57,7 +56,9 @@ def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
               inplace: bool) -> Call | None:
     if inplace:
         return None
-    return Call(lambda: comm.reduce_scatter(data, op=case.op, algorithm=algorithm), no_reset)
+    out = np.empty_like(data, shape=(case.count,))  # preallocated, like MPI's
+    return Call(lambda: comm.reduce_scatter(data, op=case.op, algorithm=algorithm, out=out),
+                functools.partial(poison, out))
 
 
 def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
@@ -234,7 +235,7 @@ class Communicator(AsyncCollectives):
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                        algorithm: str | None = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, name: str | None = None, *,
-                       stream: Any = None) -> Array:
+                       out: Array | None = None, stream: Any = None) -> Array:
         """Reduce ``x`` over ranks and return this rank's block of axis 0.
 
         Blocks are those of ``np.array_split(x, size)``: with ``d`` rows, the first
@@ -244,9 +245,11 @@ class Communicator(AsyncCollectives):
             x: array with at least one dimension, same shape on every rank.
             op, algorithm, prescale_factor, postscale_factor, name, stream: as for
                 :meth:`allreduce`.
+            out: optional C-contiguous array of shape ``(rows of this rank,) +
+                x.shape[1:]`` and ``x``'s dtype that receives the block (no allocation).
 
         Returns:
-            A new array of shape ``(rows of this rank,) + x.shape[1:]``.
+            ``out``, or a new array of shape ``(rows of this rank,) + x.shape[1:]``.
         """
         be, arr = _array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
@@ -258,7 +261,9 @@ class Communicator(AsyncCollectives):
         n, count = self.size, arr.size
         rows, extra = divmod(arr.shape[0], n)
         mine = rows + (self.rank < extra)
-        result = be.empty(mine * row, dt)
+        shape = (mine, *tuple(arr.shape[1:]))
+        result = be.empty(mine * row, dt) if out is None else \
+            be.flat(self._check_out(be, out, shape, dt, "reduce_scatter"))
         src = be.flat(be.ascontiguous(arr))
         scale = postscale_factor / n if rop is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
@@ -275,21 +280,23 @@ class Communicator(AsyncCollectives):
                 if self._checking() else None
             self._run("reduce_scatter", alg, be, dt, rop.reduction, (count, row), 0, sig,
                       src, result, postscale=scale)
-        return result.reshape((mine, *tuple(arr.shape[1:])))
+        return result.reshape(shape) if out is None else out
 
     # -- allgather --------------------------------------------------------------------
     @_on_stream
     def allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
-                  stream: Any = None) -> Array:
+                  out: Array | None = None, stream: Any = None) -> Array:
         """Concatenate every rank's ``x`` along axis 0.
 
         Axis 0 may differ between ranks; the other axes and the dtype must agree (a
         disagreement raises :class:`~mpitrain.MismatchError` on every rank). The row
         counts travel in the validation exchange, which allgather always makes.
-        ``stream`` is as for :meth:`allreduce`.
+        ``stream`` is as for :meth:`allreduce`. ``out``: optional C-contiguous array of
+        shape ``(sum of every rank's rows,) + x.shape[1:]`` and ``x``'s dtype that
+        receives the result (no allocation); every rank passes one, or none does.
 
         Returns:
-            A new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
+            ``out``, or a new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
         """
         be, arr = _array(x)
         dt = check_dtype(arr.dtype, rank=self.rank)
@@ -297,12 +304,23 @@ class Communicator(AsyncCollectives):
             arr = arr.reshape(1)
         block = be.flat(be.ascontiguous(arr))
         trailing = tuple(arr.shape[1:])
+        total = -1  # the rows of out=, which every rank must agree on
+        if out is not None:
+            total = int(out.shape[0]) if getattr(out, "ndim", 0) else -1
+            self._check_out(be, out, (total, *trailing), dt, "allgather")
         if self.size == 1:
             self._algorithm("allgather", algorithm, block.size * dt.itemsize, be, dt)
-            return be.ascontiguous(arr).copy()
+            if out is None:
+                return be.ascontiguous(arr).copy()
+            self._check_gathered_rows(total, (arr.shape[0],), trailing)
+            be.copy_into(out, arr)
+            return out
         requested = (algorithm or config.ALGORITHM.get()).lower()
         self.transport.begin("allgather")
-        sig = signature("allgather", "", dtype_name(dt), trailing, True, -1, 1.0, 1.0, name or "",
+        # With out=, its row count joins the agreed shape: ranks that disagree fail
+        # together here, and ranks that agree all check it against the gathered rows.
+        agreed = trailing if out is None else (total, *trailing)
+        sig = signature("allgather", "", dtype_name(dt), agreed, True, -1, 1.0, 1.0, name or "",
                         requested)
         payload = offer_block(self.shm, be.as_bytes(block)) \
             if self.shm is not None and be is NUMPY else NO_PAYLOAD
@@ -310,10 +328,12 @@ class Communicator(AsyncCollectives):
         rows = self.validator.rows()
         row = _row_size(arr.shape)
         counts = tuple(r * row for r in rows)
-        out = be.empty(sum(counts), dt)
+        if out is not None:  # total and rows are the same on every rank: all raise
+            self._check_gathered_rows(total, rows, trailing)
+        result = be.empty(sum(counts), dt) if out is None else be.flat(out)
         alg = self._algorithm("allgather", algorithm, sum(counts) * dt.itemsize, be, dt)
-        self._run("allgather", alg, be, dt, None, counts, 0, None, block, out)
-        return out.reshape((sum(rows), *trailing))
+        self._run("allgather", alg, be, dt, None, counts, 0, None, block, result)
+        return result.reshape((sum(rows), *trailing)) if out is None else out
 
     # -- broadcast --------------------------------------------------------------------
     @_on_stream
@@ -414,6 +434,14 @@ class Communicator(AsyncCollectives):
                                 "np.empty_like(x) or leave out= unset")
         self._check_writeable(be, out, what)
         return out
+
+    def _check_gathered_rows(self, total: int, rows: Sequence[int],
+                             trailing: tuple[int, ...]) -> None:
+        if total != sum(rows):
+            raise ArgumentError(
+                f"rank {self.rank}: allgather out= has {total} rows, but the ranks send "
+                f"{sum(rows)} rows in all ({list(rows)}); pass an array of shape "
+                f"{(sum(rows), *trailing)}")
 
     def _check_writeable(self, be: ArrayBackend, arr: Array, what: str) -> None:
         if not be.is_writeable(arr):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_equal_all_ranks, crafted
+from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS as REGISTERED
@@ -99,3 +99,36 @@ def test_topology(comm: mt.Communicator) -> None:
     table = comm.allgather_object((comm.local_rank, comm.cross_rank))
     assert len(set(table)) == comm.size, "local/cross ranks must identify a rank uniquely"
     assert comm.local_size * comm.topology.node_count >= comm.size
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALLGATHER)
+def test_allgather_into_out(comm: mt.Communicator, algorithm: str) -> None:
+    for base in (0, 1, 1001):
+        def block(r: int, base: int = base) -> np.ndarray:
+            return crafted(r, rows_of(r, base) * 2, "int32", mt.Sum).reshape(-1, 2)
+
+        expected = np.concatenate([block(r) for r in range(comm.size)])
+        out = np.full(expected.shape, -7, np.int32)  # poisoned
+        y = comm.allgather(block(comm.rank), algorithm=algorithm, out=out)
+        assert_all_ranks(comm, y is out, f"allgather {algorithm} returns out=")
+        assert_equal_all_ranks(comm, out, expected, f"allgather {algorithm} out= base={base}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allgather_out_misuse_raises_everywhere(comm: mt.Communicator) -> None:
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"out= must be a float32\["):
+        comm.allgather(x, out=np.zeros((2 * comm.size, 3), np.float64))
+    # every rank passes the same wrong row count: all of them raise, after agreeing
+    with pytest.raises(ValueError, match=f"out= has {2 * comm.size + 1} rows, but the ranks "
+                                         f"send {2 * comm.size} rows"):
+        comm.allgather(x, out=np.zeros((2 * comm.size + 1, 3), np.float32))
+    if comm.size > 1:  # ranks disagree on out=: a mismatch, on every rank
+        rows = 2 * comm.size + (comm.rank == 0)
+        with pytest.raises(mt.MismatchError):
+            comm.allgather(x, out=np.zeros((rows, 3), np.float32))
+        with pytest.raises(mt.MismatchError):
+            comm.allgather(x, out=np.zeros((2 * comm.size, 3), np.float32)
+                           if comm.rank == 0 else None)
+    assert comm.allgather(x).shape == (2 * comm.size, 3)  # still usable

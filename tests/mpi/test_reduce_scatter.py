@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
+from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS as REGISTERED
@@ -59,3 +59,20 @@ def test_reduce_scatter_average_and_scaling(comm: mt.Communicator) -> None:
     y = comm.reduce_scatter(x, op=mt.Average, prescale_factor=2.0)
     full = reference(comm.size, 40, "float64", mt.Sum).reshape(20, 2) * 2.0 / comm.size
     assert np.allclose(y, np.array_split(full, comm.size)[comm.rank], rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reduce_scatter_into_out(comm: mt.Communicator, algorithm: str) -> None:
+    for rows in (0, comm.size + 1, 1001):
+        x = crafted(comm.rank, rows * 2, "float64", mt.Sum).reshape(rows, 2)
+        mine = np.array_split(reference(comm.size, rows * 2, "float64", mt.Sum)
+                              .reshape(rows, 2), comm.size)[comm.rank]
+        out = np.full(mine.shape, np.nan)  # poisoned: an unwritten element fails
+        y = comm.reduce_scatter(x, algorithm=algorithm, out=out)
+        assert_all_ranks(comm, y is out, f"reduce_scatter {algorithm} returns out=")
+        assert_equal_all_ranks(comm, out, mine, f"reduce_scatter {algorithm} out= rows={rows}")
+    with pytest.raises(ValueError, match=r"out= must be a float64\["):
+        comm.reduce_scatter(np.zeros((comm.size, 2)), out=np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.reduce_scatter(np.zeros((comm.size, 2)), out=np.zeros((1, 4))[:, ::2])
