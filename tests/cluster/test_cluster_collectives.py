@@ -26,10 +26,14 @@ from helpers import (
 )
 
 import mpitrain as mt
-from mpitrain.algorithms import ALGORITHMS
+from mpitrain.algorithms import ALGORITHMS as REGISTERED
+from mpitrain.algorithms import NEEDS_SHARED_MEMORY
 from mpitrain.backends import NUMPY
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
+# Across hosts only the algorithms that do not need one node's shared memory run.
+ALGORITHMS = {c: tuple(a for a in algos if a not in NEEDS_SHARED_MEMORY)
+              for c, algos in REGISTERED.items()}
 IDS = [f"{d}-{o.value}" for d, o in CASES]
 
 
@@ -59,13 +63,19 @@ def test_allgather(comm: mt.Communicator, algorithm: str, dtype: str) -> None:
     check_allgather(comm, algorithm, dtype, counts(comm))
 
 
+LARGE = [(c, a) for c in ("allreduce", "reduce_scatter", "allgather") for a in ALGORITHMS[c]]
+
+
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", ALGORITHMS["allreduce"])
-def test_large(comm: mt.Communicator, algorithm: str) -> None:
+@pytest.mark.parametrize("collective,algorithm", LARGE, ids=[f"{c}-{a}" for c, a in LARGE])
+def test_large(comm: mt.Communicator, collective: str, algorithm: str) -> None:
     for dtype, op in (("float32", mt.Sum), ("bfloat16", mt.Max), ("int64", mt.Product)):
-        check_allreduce(comm, algorithm, dtype, op, [300_007])
-        check_reduce_scatter(comm, algorithm, dtype, op, [100_003])
-        check_allgather(comm, algorithm, dtype, [50_001])
+        if collective == "allreduce":
+            check_allreduce(comm, algorithm, dtype, op, [300_007])
+        elif collective == "reduce_scatter":
+            check_reduce_scatter(comm, algorithm, dtype, op, [100_003])
+        else:
+            check_allgather(comm, algorithm, dtype, [50_001])
 
 
 @pytest.mark.mpi(min_size=1)
@@ -93,7 +103,7 @@ def test_auto_goes_hierarchical_across_nodes(comm: mt.Communicator) -> None:
     """auto picks hierarchical for a large allreduce when the job spans nodes, on every
     rank alike, and gets the same bits as the flat ring."""
     count = 1 << 20
-    name = comm._algorithm("allreduce", "auto", count * 4, NUMPY)
+    name = comm._algorithm("allreduce", "auto", count * 4, NUMPY, np.dtype(np.float32))
     spans = comm.topology.node_count > 1
     assert_all_ranks(comm, (name == "hierarchical") == spans, f"auto chose {name}")
     assert_all_ranks(comm, len(set(comm.allgather_object(name))) == 1, "ranks disagree")
@@ -103,3 +113,21 @@ def test_auto_goes_hierarchical_across_nodes(comm: mt.Communicator) -> None:
     want = reference(comm.size, count, "float32", mt.Average)
     assert_equal_all_ranks(comm, got, want, "auto average")
     assert_all_ranks(comm, bool(np.array_equal(got, flat)), "auto differs from ring")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("collective", sorted(REGISTERED))
+def test_shared_memory_algorithms_refuse_several_hosts(comm: mt.Communicator,
+                                                       collective: str) -> None:
+    """Every rank raises the same error (the node count is the same everywhere)."""
+    assert comm.topology.node_count > 1
+    x = np.ones(comm.size * 2, np.float32)
+    call = {"allreduce": lambda a: comm.allreduce(x, algorithm=a),
+            "reduce_scatter": lambda a: comm.reduce_scatter(x, algorithm=a),
+            "allgather": lambda a: comm.allgather(x, algorithm=a),
+            "broadcast": lambda a: comm.broadcast(x, algorithm=a)}[collective]
+    for algorithm in sorted(NEEDS_SHARED_MEMORY & set(REGISTERED[collective])):
+        with pytest.raises(ValueError, match=f"the {algorithm} {collective} needs every rank "
+                                             "on one node"):
+            call(algorithm)
+    assert_equal_all_ranks(comm, comm.allreduce(x), x * comm.size, "still usable")
