@@ -106,16 +106,24 @@ class NativeReduceScatter:
 
 
 class NativeAllgather:
-    """``MPI_Allgatherv`` of blocks of possibly different lengths."""
+    """``MPI_Allgather`` of equal blocks, ``MPI_Allgatherv`` of blocks of different
+    lengths (Open MPI's ``Allgatherv`` is up to 2x slower for equal ones)."""
 
     def __init__(self, req: PlanRequest) -> None:
         self.transport, self.backend, self.counts = req.transport, req.backend, req.counts
         self.comm, self.dt = req.transport.comm, req.dtype
         self.displs = [lo for lo, _ in req.chunks]
+        self.equal = len(set(self.counts)) == 1
 
     def run(self, block: Any, out: Any) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         etype = _element_type(self.dt)
+        if self.equal:
+            self.transport.collective(
+                self.comm.Allgather, self.comm.Iallgather,
+                [self.backend.as_bytes(block), block.size, etype],
+                [self.backend.as_bytes(out), block.size, etype])
+            return
         self.transport.collective(
             self.comm.Allgatherv, self.comm.Iallgatherv,
             [self.backend.as_bytes(block), block.size, etype],

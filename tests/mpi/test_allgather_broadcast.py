@@ -132,3 +132,16 @@ def test_allgather_out_misuse_raises_everywhere(comm: mt.Communicator) -> None:
             comm.allgather(x, out=np.zeros((2 * comm.size, 3), np.float32)
                            if comm.rank == 0 else None)
     assert comm.allgather(x).shape == (2 * comm.size, 3)  # still usable
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ALLGATHER)
+@pytest.mark.parametrize("rows", [1, 7, 50_001])
+def test_allgather_equal_blocks(comm: mt.Communicator, algorithm: str, rows: int) -> None:
+    """Every rank sends as many rows (native: MPI_Allgather rather than Allgatherv)."""
+    def block(r: int) -> np.ndarray:
+        return crafted(r, rows * 3, "float32", mt.Sum).reshape(rows, 3)
+
+    expected = np.concatenate([block(r) for r in range(comm.size)])
+    assert_equal_all_ranks(comm, comm.allgather(block(comm.rank), algorithm=algorithm),
+                           expected, f"allgather {algorithm} of equal blocks, rows={rows}")
