@@ -8,6 +8,7 @@ copies the root's input into the output, then broadcasts the output.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,18 +59,25 @@ def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
     return Call(lambda: comm.broadcast(data, root=case.root, algorithm=algorithm), no_reset)
 
 
-def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
-    out = data.copy() if inplace else np.empty_like(data)
-    buf = mpi_buffer(out)
+def _baseline(bcast: Callable[[int], object], out: Array, case: Case, data: Array,
+              inplace: bool) -> Call:
+    """A baseline's call: ``bcast(root)`` broadcasts ``out`` in place; out of place,
+    the root first copies its input into ``out`` (as mpitrain's out-of-place call does)."""
     copy_root_input = not inplace and case.rank == case.root
 
     def run() -> Array:
         if copy_root_input:
             np.copyto(out, data)
-        comm.Bcast(buf, case.root)
+        bcast(case.root)
         return out
 
     return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
+
+
+def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
+    out = data.copy() if inplace else np.empty_like(data)
+    buf = mpi_buffer(out)
+    return _baseline(lambda root: comm.Bcast(buf, root), out, case, data, inplace)
 
 
 def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
@@ -77,15 +85,7 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     tensor = gloo.tensor(out)
     if tensor is None:
         return None
-    copy_root_input = not inplace and case.rank == case.root
-
-    def run() -> Array:
-        if copy_root_input:
-            np.copyto(out, data)
-        dist.broadcast(tensor, case.root)
-        return out
-
-    return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
+    return _baseline(lambda root: dist.broadcast(tensor, root), out, case, data, inplace)
 
 
 COLLECTIVE = Collective(name="broadcast", reduces=False, rooted=True, count=_count,

@@ -186,9 +186,9 @@ class HierarchicalAllreduce:
         self.topology = req.topology
         # Only the two-node exchange runs in the background (start/finish); with more
         # nodes the ring runs to completion and pieces would only add pipeline fills.
-        count = piece_count(req.count * req.dtype.itemsize) if self.topology.node_count == 2 \
-            else 1
-        pieces = split_bounds(req.count, count)
+        n_pieces = piece_count(req.count * req.dtype.itemsize) \
+            if self.topology.node_count == 2 else 1
+        pieces = split_bounds(req.count, n_pieces)
         self.pieces = [_Piece(req, lo, hi) for lo, hi in pieces]
 
     def run(self, src: Any, out: Any) -> None:

@@ -243,7 +243,8 @@ class Engine:
                     f"rank {self.rank}: an async operation named {name!r} is already in "
                     "flight; wait for its handle before submitting that name again, or give "
                     "this one another name")
-            handle = Handle(name, self._waiters, self._release_name)
+            # Only a given name is tracked, so only its handle has one to release.
+            handle = Handle(name, self._waiters, self._release_name if given else None)
             request = Request(name, "allreduce" if grouped else kind, signature, entries,
                               handle, op, prescale, postscale, algorithm, root, inplace,
                               grouped, fusion)
