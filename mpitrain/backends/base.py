@@ -83,7 +83,8 @@ class ArrayBackend(Protocol):
         """Copy consecutive pieces of ``src`` into flat ``parts`` (undoes :meth:`pack_into`)."""
 
     def concatenate(self, arrays: list[Array]) -> Array:
-        """Concatenate along axis 0."""
+        """A new 1-D array of every array's elements in C order, one after another (any
+        shapes and strides)."""
 
     def synchronize(self, stream: Any = None) -> None:
         """Block until queued work on ``stream`` is done so MPI may touch the memory."""

@@ -205,8 +205,8 @@ class CupyBackend:
         kernels.pack(src, parts, unpack=True)
 
     def concatenate(self, arrays: list[Array]) -> Any:
-        """Concatenate along axis 0."""
-        return cupy.concatenate(arrays, axis=0)
+        """A new 1-D array of every array's elements in C order, one after another."""
+        return cupy.concatenate([a.ravel() for a in arrays], axis=0)
 
     def synchronize(self, stream: Any = None) -> None:
         """Block until the work queued on ``stream`` (default: current) is done."""

@@ -124,8 +124,8 @@ class NumpyBackend:
             start += part.size
 
     def concatenate(self, arrays: list[Array]) -> np.ndarray[Any, Any]:
-        """Concatenate along axis 0."""
-        return np.concatenate(arrays, axis=0)
+        """A new 1-D array of every array's elements in C order, one after another."""
+        return np.concatenate(arrays, axis=None)
 
     def synchronize(self, stream: Any = None) -> None:
         """Host memory is always ready."""

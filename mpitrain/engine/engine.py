@@ -17,6 +17,12 @@ caller's), so it never interferes with blocking calls the caller makes meanwhile
 it reuses that communicator's algorithm selection, plans and scaling. Blocking calls
 never go through the engine.
 
+A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
+while no other thread is running one (:meth:`Engine._drive`; one lock makes the
+cycles exclusive), which saves the two thread switches of handing the work to the
+progress thread and back; it leaves the rest to the progress thread as soon as a
+cycle moves nothing.
+
 With nothing in flight the thread sleeps on a condition variable until a submission
 or :meth:`Engine.stop` wakes it; a cycle that changed nothing (ranks waiting for each
 other's submissions) is followed by a pause of ``MPITRAIN_CYCLE_TIME_MS``, cut short
@@ -37,10 +43,11 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import config, timeline
-from ..backends import backend_for
+from ..backends import NUMPY, ArrayBackend, backend_for
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
@@ -98,12 +105,16 @@ class Engine:
         self.comm = Communicator(owner.mpi_comm)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.stats = EngineStats()
-        self._waiters = Waiters()
-        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds(), self._waiters)
+        self._waiters = Waiters(self._drive)
+        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds(), self._waiters,
+                                      self.comm.shm)
         self._runner = BucketRunner(self.comm)
         self._lane = next(_lanes)
         self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # guards the submission state below
+        self._cond = threading.Condition(self._lock)  # the progress thread sleeps on it
+        self._idle = False  # the progress thread is (about to be) asleep: wake it
+        self._cycling = threading.Lock()  # held by the thread running a cycle
         self._incoming: list[Request] = []
         self._in_flight: set[str] = set()
         self._counters: dict[str, int] = {}
@@ -127,8 +138,9 @@ class Engine:
         rop = op if isinstance(op, ReduceOp) else parse_op(op)
         entry = self._entry(x, "allreduce_async_" if inplace else "allreduce_async", inplace,
                             rop)
-        algo = self._check_algorithm("allreduce", algorithm, entry)
-        key = ("allreduce", rop.value, entry.dtype, entry.array.shape, prescale, postscale, algo, 0)
+        algo = None if algorithm is None else self._check_algorithm("allreduce", algorithm, entry)
+        key = ("allreduce", rop._value_, entry.dtype, entry.array.shape, prescale, postscale,
+               algo, 0)
         return self._submit("allreduce", name, key, [entry], rop, prescale, postscale, algo, 0,
                             inplace)
 
@@ -182,15 +194,19 @@ class Engine:
                             postscale=postscale, algorithm=algo)
 
     def _entry(self, x: Any, what: str, inplace: bool, op: ReduceOp | None) -> Entry:
-        be = backend_for(x)
-        arr = be.asarray(x)
+        if type(x) is np.ndarray:  # the common case, without the backend lookup
+            be: ArrayBackend = NUMPY
+            arr = x
+        else:
+            be = backend_for(x)
+            arr = be.asarray(x)
         if inplace:
             if arr is not x and not isinstance(x, type(arr)):
                 raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
                                     f"got {type(x).__name__}; use the out-of-place variant")
             if not be.is_writeable(arr):
                 self.comm._check_writeable(be, arr, what)  # raises with the usual message
-        checked = (arr.dtype, op and op.value)
+        checked = (arr.dtype, op and op._value_)
         if checked not in self._checked:  # a dtype/op pair is checked once
             if op is None:
                 check_dtype(arr.dtype, rank=self.rank)
@@ -227,35 +243,39 @@ class Engine:
                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
                 grouped: bool = False) -> Handle:
         signature, fusion = self._signature(key, entries[0].backend.name if entries else "")
-        with self._cond:
+        with self._lock:
             if self._closed is not None:
                 self._check_open()
-            given = name is not None  # generated names are unique: never tracked
-            if name is None:
+            if name is None:  # generated names are unique: never tracked
+                given = False
                 number = self._counters.get(kind, 0)
                 self._counters[kind] = number + 1
                 name = f"{kind}.noname.{number}"
-            elif not isinstance(name, str) or not name:
-                raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, got "
-                                    f"{name!r}")
-            if name in self._in_flight:
-                raise ArgumentError(
-                    f"rank {self.rank}: an async operation named {name!r} is already in "
-                    "flight; wait for its handle before submitting that name again, or give "
-                    "this one another name")
+            else:
+                given = True
+                if not isinstance(name, str) or not name:
+                    raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
+                                        f"got {name!r}")
+                if name in self._in_flight:
+                    raise ArgumentError(
+                        f"rank {self.rank}: an async operation named {name!r} is already in "
+                        "flight; wait for its handle before submitting that name again, or "
+                        "give this one another name")
             # Only a given name is tracked, so only its handle has one to release.
             handle = Handle(name, self._waiters, self._release_name if given else None)
             request = Request(name, "allreduce" if grouped else kind, signature, entries,
                               handle, op, prescale, postscale, algorithm, root, inplace,
-                              grouped, fusion)
+                              grouped, fusion, given)
             if not entries:  # an empty group: nothing to agree on or to move
-                request.handle._finish([], None)
-                return request.handle
+                handle._finish([], None)
+                return handle
             if given:
                 self._in_flight.add(name)
             self._incoming.append(request)
-            self._cond.notify()
-        return request.handle
+            if self._idle:  # one wake-up per sleep, not one per submission
+                self._idle = False
+                self._cond.notify()
+        return handle
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -272,6 +292,7 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._closed = self._closed or "has been shut down"
+            self._idle = False
             self._cond.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -292,18 +313,57 @@ class Engine:
         try:
             while not self._finished:
                 with self._cond:
-                    if not self._incoming:
-                        if not self._pending and not self._stopping:
-                            self._cond.wait_for(lambda: bool(self._incoming) or self._stopping)
-                        elif not progressed:
-                            self._cond.wait(self._cycle_seconds())
-                progressed = self._step()
+                    if not self._has_work():
+                        # A waiting caller may take the work this wakes us for, so mark
+                        # the sleep again after every wake-up (or no one wakes us next).
+                        while not self._has_work() and not self._finished:
+                            self._idle = True
+                            self._cond.wait()
+                    elif not self._incoming and not progressed:
+                        self._idle = True
+                        self._cond.wait(self._cycle_seconds())
+                    self._idle = False
+                with self._cycling:  # a waiting caller may be running a cycle
+                    if self._finished:
+                        break
+                    # never an empty cycle: every rank would have to match it
+                    progressed = self._step() if self._has_work() else True
         except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
             self._abort(exc)
         finally:
             tl = timeline.current()
             if tl is not None:
                 tl.flush()
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._pending) or self._stopping
+
+    def _drive(self, handle: Handle) -> None:
+        """Run cycles on the thread of a caller blocked in ``handle.wait()``.
+
+        The caller would only sleep until the progress thread had run them; running
+        them here saves the two thread switches of that hand-over (with the GIL, each
+        costs tens of microseconds). Returns when the handle is done, when a cycle
+        moved nothing (other ranks have not submitted yet: the progress thread goes on
+        polling, with its pauses), or when another thread is running a cycle.
+        """
+        while not handle.done and not self._finished:
+            if not self._cycling.acquire(blocking=False):
+                return
+            try:
+                if handle.done or self._finished or not self._has_work():
+                    return
+                progressed = self._step()
+            except BaseException as exc:  # as in the progress thread: fail everything
+                self._abort(exc)
+                return
+            finally:
+                self._cycling.release()
+            if not progressed:
+                with self._cond:  # requests are pending: the progress thread takes over
+                    self._idle = False
+                    self._cond.notify()
+                return
 
     def _step(self) -> bool:
         """Take the new submissions and run one cycle."""
@@ -317,7 +377,8 @@ class Engine:
         self.stats.cycles += 1
         self._running = incoming  # before the exchange, so that _abort sees them if it fails
         agreement = self._negotiator.exchange([(r.name, r.signature) for r in incoming],
-                                              stopping, config.FUSION_THRESHOLD.get())
+                                              [r.given for r in incoming], stopping,
+                                              config.FUSION_THRESHOLD.get())
         agreed_at = time.perf_counter()
         tl = timeline.current()
         if agreement.same:  # all of them, in submission order
@@ -401,6 +462,7 @@ class Engine:
         self._finished = True
         with self._cond:
             self._closed = f"failed: {exc!r}"
+            self._cond.notify()  # the progress thread may be asleep: let it end
             doomed = list(self._pending.values()) + self._incoming + [
                 r for r in self._running if not r.handle.done and r.name not in self._pending]
             self._pending.clear()

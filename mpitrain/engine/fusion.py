@@ -12,8 +12,9 @@ size. Buckets run in the order they were opened.
 unpack, where the middle three are one call of the engine's
 :class:`~mpitrain.Communicator`, so fused buffers get the same algorithm selection,
 plan cache and scaling as blocking calls. The fusion buffer is a new array per
-bucket (one ``concatenate``); out-of-place results are views of it. A bucket of one
-entry skips the fusion buffer and calls the communicator on the entry's own array.
+bucket (one ``concatenate``, which also flattens and makes contiguous); out-of-place
+results are views of it. A bucket of one entry skips the fusion buffer and calls the
+communicator on the entry's own array.
 """
 
 from __future__ import annotations
@@ -124,34 +125,38 @@ class BucketRunner:
         return [(self._collective_name(request), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
-        """Pack into a new buffer, reduce it in place, copy in-place results back.
+        """Pack into a new buffer, reduce it in place, hand out the results.
 
         Out-of-place results are views of the buffer (no second copy), so the buffer
-        lives as long as any of them.
+        lives as long as any of them; in-place results are copied back into the
+        caller's arrays.
         """
-        request, first = bucket.items[0]
+        items = bucket.items
+        request, first = items[0]
         be = first.backend
         packing = time.perf_counter()
-        flats = []
-        for _, entry in bucket.items:
-            contiguous = be.ascontiguous(entry.array)
-            # the flat view doubles as the unpack target when it is the caller's memory
-            flats.append((be.flat(contiguous), contiguous is entry.array))
-        buf = be.concatenate([flat for flat, _ in flats])
+        buf = be.concatenate([entry.array for _, entry in items])
         start = _begin(bucket)
         self.comm.allreduce_(buf, request.op, request.algorithm, request.prescale,
                              request.postscale)
         unpacking = time.perf_counter()
-        offset = 0
-        for (req, entry), (flat, own) in zip(bucket.items, flats):
-            end = offset + entry.count
-            if not req.inplace:
-                entry.output = buf[offset:end].reshape(entry.array.shape)
-            elif own:
-                be.copy_into(flat, buf[offset:end])
-            else:
-                be.copy_into(entry.array, buf[offset:end].reshape(entry.array.shape))
-            offset = end
+        count = first.count
+        if all(e.count == count and e.array.ndim == 1 and not r.inplace for r, e in items):
+            # equal 1-D pieces (the common case of many small tensors): one C call
+            for (_, entry), view in zip(items, buf.reshape(len(items), count)):
+                entry.output = view
+        else:
+            offset = 0
+            for req, entry in items:
+                end = offset + entry.count
+                piece = buf[offset:end]
+                if entry.array.ndim != 1:
+                    piece = piece.reshape(entry.array.shape)
+                if req.inplace:
+                    be.copy_into(entry.array, piece)
+                else:
+                    entry.output = piece
+                offset = end
         return [("PACK", packing, start), (self._collective_name(request), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
 

@@ -14,33 +14,42 @@ byte for byte and are not even decoded.
 Like Horovod's response cache, a (name, signature) pair that has run once gets a
 number, the same on every rank because numbers are handed out in ``ready`` order;
 later announcements of the pair send the number instead of the two strings. A cycle
-is one ``MPI_Iallgather`` of a fixed-size *slot* per rank (payload length, stop flag,
-threshold, and the payload itself when it fits), polled with a growing sleep so that
-a rank waiting for slower ranks does not burn a core (after a first 100 us of tests,
-enough for ranks that are in step, and unless the caller is blocked waiting anyway);
-only a payload too large for the slot costs a second exchange (``MPI_Allgatherv``).
+is one exchange of a fixed-size *slot* per rank (payload length, stop flag,
+threshold, and the payload itself when it fits): through the communicator's
+shared-memory slots (64 KiB) when all ranks are on one node, else one
+``MPI_Iallgather`` of 4 KiB slots. While a caller is blocked in ``wait()`` the
+exchange waits like a blocking call; otherwise it is polled with a growing sleep
+(after a first 100 us of tests, enough for ranks that are in step), so that a rank
+waiting for slower ranks does not take a core from the caller's computation. Only a
+payload too large for the slot costs a second exchange (``MPI_Allgatherv``).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from .request import Waiters
 
+if TYPE_CHECKING:
+    from ..comm.shm import SharedMemory
+
 Signatures = dict[int, str]
 Announcement = Union[int, tuple[str, str]]  # a cached pair's number, or (name, signature)
 
 SLOT_BYTES = 4096
 _FIELDS = 3  # payload length, stop flag, threshold: int64s at the start of a slot
-_INLINE = SLOT_BYTES - 8 * _FIELDS
+_HEAD = struct.Struct(f"={_FIELDS}q")
 CACHE_LIMIT = 1 << 16
 SPIN_S = 100e-6
+_yield = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
 
 
 @dataclass
@@ -74,43 +83,65 @@ class Negotiator:
         comm: the engine's communicator (used by the progress thread only).
         max_poll_s: longest sleep between two tests of a pending exchange.
         waiters: how many callers are blocked on the engine's handles.
+        shm: the shared memory of that communicator when all its ranks are on one node
+            (its slots then carry the cycles instead of ``MPI_Iallgather``: no MPI
+            progress loop, whose idle yield costs tens of microseconds per exchange).
     """
 
-    def __init__(self, comm: MPI.Intracomm, max_poll_s: float, waiters: Waiters) -> None:
+    def __init__(self, comm: MPI.Intracomm, max_poll_s: float, waiters: Waiters,
+                 shm: SharedMemory | None = None) -> None:
         self.comm = comm
         self.waiters = waiters
-        self.size = comm.Get_size()
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.max_poll_s = max_poll_s
         self.table: dict[str, Signatures] = {}
         self.known: list[tuple[str, str]] = []  # number -> (name, signature)
         self.numbers: dict[tuple[str, str], int] = {}
+        self.shm = shm if shm is not None and shm.slot_bytes >= SLOT_BYTES else None
+        slot_bytes = self.shm.slot_bytes if self.shm is not None else SLOT_BYTES
+        self._inline = slot_bytes - 8 * _FIELDS
         self._slot = np.zeros(SLOT_BYTES, np.uint8)
         self._slots = np.zeros((self.size, SLOT_BYTES), np.uint8)
 
-    def exchange(self, pairs: list[tuple[str, str]], stopping: bool,
+    def exchange(self, pairs: list[tuple[str, str]], given: list[bool], stopping: bool,
                  threshold: int) -> Agreement:
-        """One cycle: share ``(name, signature)`` pairs, stop flag and threshold."""
+        """One cycle: share ``(name, signature)`` pairs, stop flag and threshold.
+
+        ``given[i]`` is False when the name of ``pairs[i]`` was generated (it never
+        repeats, so it is not numbered).
+        """
         numbers = self.numbers
         announcements: list[Announcement] | list[tuple[str, str]] = \
             [numbers.get(pair, pair) for pair in pairs] if numbers else pairs
         payload = pickle.dumps(announcements, pickle.HIGHEST_PROTOCOL) if pairs else b""
-        self._slot[:8 * _FIELDS].view(np.int64)[:] = (len(payload), int(stopping), threshold)
-        if len(payload) <= _INLINE:
-            self._slot[8 * _FIELDS:8 * _FIELDS + len(payload)] = np.frombuffer(payload, np.uint8)
-        self._poll(self.comm.Iallgather(self._slot, self._slots))
-        fields = self._slots[:, :8 * _FIELDS].copy().view(np.int64)
-        lengths = [int(n) for n in fields[:, 0]]
-        agreement = Agreement([], {}, bool(fields[:, 1].all()), any(lengths),
-                              int(fields[:, 2].min()))
+        shm = self.shm
+        if shm is not None:
+            parity = shm.next_parity
+            slot = shm.slot(parity, self.rank)
+        else:
+            slot = self._slot
+        slot[:8 * _FIELDS].view(np.int64)[:] = (len(payload), int(stopping), threshold)
+        if len(payload) <= self._inline:
+            slot[8 * _FIELDS:8 * _FIELDS + len(payload)] = np.frombuffer(payload, np.uint8)
+        if shm is not None:
+            self._wait_shm(shm.arrive())
+            slots = shm.slots[parity]  # read before this thread's next two barriers
+        else:
+            self._poll(self.comm.Iallgather(self._slot, self._slots))
+            slots = self._slots
+        heads = [_HEAD.unpack_from(slots[r].data) for r in range(self.size)]
+        lengths = [h[0] for h in heads]
+        agreement = Agreement([], {}, all(h[1] for h in heads), any(lengths),
+                              min(h[2] for h in heads))
         if agreement.news:
-            payloads = self._payloads(payload, lengths)
-            if not self.table and all(p == payloads[0] for p in payloads):
+            payloads = self._payloads(slots, payload, lengths)
+            if not self.table and self._all_equal(payloads):
                 # Every rank announced the same requests in the same order, and nothing
                 # older is waiting: all of them are ready, in this rank's order.
                 agreement.ready = [name for name, _ in pairs]
                 agreement.same = True
-                for pair in pairs:
-                    if pair not in numbers:  # a pair is numbered once
+                for pair, named in zip(pairs, given):
+                    if named and pair not in numbers:  # a pair is numbered once
                         self.remember(*pair)
             else:
                 for rank, data in enumerate(payloads):
@@ -148,16 +179,24 @@ class Negotiator:
         have = self.table.get(name, {})
         return [r for r in range(self.size) if r not in have]
 
-    def _payloads(self, payload: bytes, lengths: list[int]) -> list[memoryview]:
+    def _payloads(self, slots: np.ndarray[Any, Any], payload: bytes,
+                  lengths: list[int]) -> list[memoryview]:
         """Every rank's payload: from the slots, or from a second exchange if any is long."""
-        if max(lengths) <= _INLINE:
+        if max(lengths) <= self._inline:
             start = 8 * _FIELDS
-            return [self._slots[r, start:start + n].data for r, n in enumerate(lengths)]
+            return [slots[r, start:start + n].data for r, n in enumerate(lengths)]
         displs = [sum(lengths[:r]) for r in range(self.size)]
         recv = bytearray(sum(lengths))
         self.comm.Allgatherv([payload, MPI.BYTE], [recv, (lengths, displs), MPI.BYTE])
         view = memoryview(recv)
         return [view[d:d + n] for d, n in zip(displs, lengths)]
+
+    @staticmethod
+    def _all_equal(payloads: list[memoryview]) -> bool:
+        """Every payload is byte for byte the first (compared as bytes: comparing
+        memoryviews goes element by element)."""
+        first = bytes(payloads[0])
+        return all(len(p) == len(first) and bytes(p) == first for p in payloads[1:])
 
     def _record(self, rank: int, data: memoryview) -> None:
         if not len(data):
@@ -171,21 +210,47 @@ class Negotiator:
             sigs[rank] = signature
 
     def _poll(self, request: MPI.Request) -> None:
-        """Wait for ``request``: test it for up to ``SPIN_S`` (ranks that are in step
-        meet within that); then, while a caller is blocked in ``wait()`` (so this
-        process has nothing else to run), wait inside MPI like a blocking call does;
-        otherwise sleep between tests, 20 us doubling to ``max_poll_s``."""
+        """Wait for ``request``. While a caller is blocked in ``wait()`` (so this process
+        has nothing else to run), wait inside MPI like a blocking call does. Otherwise
+        test it for up to ``SPIN_S`` (ranks that are in step meet within that), then
+        sleep between tests, 20 us doubling to ``max_poll_s``, so that a rank waiting for
+        slower ranks does not take a core from the caller's computation."""
+        waiters = self.waiters
+        if waiters.blocked:
+            request.Wait()
+            return
         spin_until = time.perf_counter() + SPIN_S
         while not request.Test():
-            if time.perf_counter() > spin_until:
+            if time.perf_counter() > spin_until or waiters.blocked:
                 break
             time.sleep(0)  # lets the caller's threads run
         else:
             return
         delay = 20e-6
         while not request.Test():
-            if self.waiters.blocked:
+            if waiters.blocked:
                 request.Wait()
                 return
             time.sleep(delay)
             delay = min(2.0 * delay, self.max_poll_s)
+
+    def _wait_shm(self, target: int) -> None:
+        """:meth:`_poll` for a shared-memory barrier: wait until every rank has arrived
+        at ``target``, yielding the core while a caller is blocked, sleeping otherwise
+        (no stall warning: a rank may legitimately submit much later than the others)."""
+        shm, waiters = self.shm, self.waiters
+        assert shm is not None
+        flags = shm.flags
+        spin_until = time.perf_counter() + SPIN_S
+        delay = 0.0
+        while min(flags) < target:
+            if waiters.blocked:
+                _yield()
+            elif delay:
+                time.sleep(delay)
+                delay = min(2.0 * delay, self.max_poll_s)
+            elif time.perf_counter() > spin_until:
+                delay = 20e-6
+            else:
+                time.sleep(0)
+        shm.wait(target)  # every rank has arrived: orders the loads after the flags

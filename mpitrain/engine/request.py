@@ -19,10 +19,17 @@ from ..ops import ReduceOp
 
 
 class Waiters:
-    """How many callers are blocked in :meth:`Handle.wait` on one engine's handles."""
+    """How many callers are blocked in :meth:`Handle.wait` on one engine's handles,
+    and what a blocked caller may do meanwhile.
 
-    def __init__(self) -> None:
+    Args:
+        helper: called with the handle by a caller about to block on it (the engine
+            runs its cycles on the caller's thread); ``None``: just block.
+    """
+
+    def __init__(self, helper: Callable[[Handle], None] | None = None) -> None:
         self.blocked = 0
+        self.helper = helper
         self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
@@ -44,6 +51,9 @@ class Handle:
         started_at: when its collective began (``None`` before that).
         finished_at: when its result was ready (``None`` before that).
     """
+
+    __slots__ = ("_done", "_error", "_release", "_request", "_result", "_unfinished",
+                 "_waiters", "finished_at", "name", "started_at", "submitted_at")
 
     def __init__(self, name: str, waiters: Waiters | None = None,
                  release: Callable[[str], None] | None = None) -> None:
@@ -71,6 +81,8 @@ class Handle:
             if waiters is not None:
                 waiters.add(1)
             try:
+                if waiters is not None and waiters.helper is not None:
+                    waiters.helper(self)
                 with self._unfinished:
                     pass
             finally:
@@ -141,19 +153,21 @@ class Request:
     ranks disagree. A grouped allreduce is one request of several entries.
     """
 
-    __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "grouped", "handle",
-                 "inplace", "kind", "name", "op", "postscale", "prescale", "root", "signature",
-                 "unfinished")
+    __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "given", "grouped",
+                 "handle", "inplace", "kind", "name", "op", "postscale", "prescale", "root",
+                 "signature", "unfinished")
 
     def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
                  handle: Handle, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
                  postscale: float = 1.0, algorithm: str | None = None, root: int = 0,
-                 inplace: bool = False, grouped: bool = False, fusion: str = "") -> None:
+                 inplace: bool = False, grouped: bool = False, fusion: str = "",
+                 given: bool = True) -> None:
         self.name, self.kind, self.signature = name, kind, signature
         self.entries, self.handle = entries, handle
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
         self.fusion = fusion  # allreduces with equal fusion keys may share a buffer
+        self.given = given  # the caller named it (a generated name never repeats)
         self.agreed_at = 0.0  # when every rank had submitted it
         self.unfinished = len(entries)  # entries whose bucket has not run yet
         self.error: BaseException | None = None

@@ -110,6 +110,88 @@ def test_named_tensors_in_a_different_order_per_rank(comm: mt.Communicator) -> N
 
 
 @pytest.mark.mpi(min_size=1)
+def test_announcements_past_the_shared_memory_slot(comm: mt.Communicator) -> None:
+    """Hundreds of long names announced in one cycle (over 64 KiB of announcements, more
+    than a shared-memory slot holds) take the second exchange; ranks submit them in
+    different orders."""
+    names = [f"announce/{i:04d}/" + "x" * 300 for i in range(300)]
+    order = list(range(len(names)))
+    if comm.rank % 2:
+        order.reverse()
+    handles = {i: comm.allreduce_async(np.full(3, i + comm.rank, np.int64), name=names[i])
+               for i in order}
+    want_base = sum(range(comm.size))
+    for i in range(len(names)):
+        assert_equal_all_ranks(comm, handles[i].wait(),
+                               np.full(3, i * comm.size + want_base, np.int64), names[i][:14])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_bucket_of_mixed_shapes_and_layouts(comm: mt.Communicator) -> None:
+    """One fused bucket holding 2-d, 1-d, 0-d, strided and in-place arrays: each result
+    lands in its own shape (out of place) or in the caller's array (in place)."""
+    base = crafted(comm.rank, 60, "float64", mt.Sum)
+    inputs = [base[:12].reshape(3, 4), base[12:17], base[17:18].reshape(()),
+              base[18:40:2], base[40:52].reshape(4, 3).T]
+    inplace = [base[52:56].copy(), base[56:60].reshape(2, 2).copy().T]
+    full = reference(comm.size, 60, "float64", mt.Sum)
+    wants = [full[:12].reshape(3, 4), full[12:17], full[17:18].reshape(()), full[18:40:2],
+             full[40:52].reshape(4, 3).T]
+    before = comm.async_stats()
+    outs = [comm.allreduce_async(x) for x in inputs]
+    ins = [comm.allreduce_async_(x) for x in inplace]
+    for i, (h, want) in enumerate(zip(outs, wants)):
+        got = h.wait()
+        assert got.shape == want.shape, f"#{i}: {got.shape} != {want.shape}"
+        assert_equal_all_ranks(comm, got, want, f"out of place #{i}")
+    assert ins[0].wait() is inplace[0] and ins[1].wait() is inplace[1]
+    assert_equal_all_ranks(comm, inplace[0], full[52:56], "in place 1-d")
+    assert_equal_all_ranks(comm, inplace[1], full[56:60].reshape(2, 2).T, "in place strided")
+    assert_all_ranks(comm, comm.async_stats().fused - before.fused >= 2, "they were fused")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_waits_from_several_threads(comm: mt.Communicator) -> None:
+    """Callers blocked in wait() run the engine's cycles themselves; several threads
+    waiting at once (and the progress thread) take turns without mixing results."""
+    import threading
+
+    xs = [crafted(comm.rank + i, 50 + i, "float32", mt.Sum) for i in range(60)]
+    handles = [comm.allreduce_async(x) for x in xs]
+    results: dict[int, Any] = {}
+
+    def waiter(part: int) -> None:
+        for i in range(part, len(handles), 3):
+            results[i] = handles[len(handles) - 1 - i].wait()
+
+    threads = [threading.Thread(target=waiter, args=(p,)) for p in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert_all_ranks(comm, not any(t.is_alive() for t in threads), "a waiting thread hung")
+    for i in range(len(handles)):
+        j = len(handles) - 1 - i
+        want = sum(crafted(r + j, 50 + j, "float32", mt.Sum) for r in range(comm.size))
+        assert_equal_all_ranks(comm, results[i], want, f"thread result #{j}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_engine_progresses_after_callers_ran_cycles(comm: mt.Communicator) -> None:
+    """After waits that ran cycles on the caller's thread, an operation nobody waits for
+    still finishes: the progress thread must not miss its wake-up."""
+    for step in range(20):
+        comm.allreduce_async(np.full(2, step, np.int32)).wait()
+        h = comm.allreduce_async(np.full(2, step, np.int32))
+        deadline = time.perf_counter() + 20
+        while not h.test() and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        assert_all_ranks(comm, h.test(), f"step {step}: the un-waited operation never ran")
+        assert_equal_all_ranks(comm, h.wait(), np.full(2, step * comm.size, np.int32),
+                               f"step {step}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_small_operations_are_fused(comm: mt.Communicator) -> None:
     before = comm.async_stats()
     xs = [crafted(comm.rank + i, 2560, "float32", mt.Sum) for i in range(100)]  # 10 KiB each
