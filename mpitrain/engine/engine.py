@@ -262,16 +262,15 @@ class Engine:
                         "flight; wait for its handle before submitting that name again, or "
                         "give this one another name")
             # Only a given name is tracked, so only its handle has one to release.
-            handle = Handle(name, self._waiters, self._release_name if given else None)
-            request = Request(name, "allreduce" if grouped else kind, signature, entries,
-                              handle, op, prescale, postscale, algorithm, root, inplace,
-                              grouped, fusion, given)
+            handle = Request(name, "allreduce" if grouped else kind, signature, entries, op,
+                             prescale, postscale, algorithm, root, inplace, grouped, fusion,
+                             given, self._waiters, self._release_name if given else None)
             if not entries:  # an empty group: nothing to agree on or to move
                 handle._finish([], None)
                 return handle
             if given:
                 self._in_flight.add(name)
-            self._incoming.append(request)
+            self._incoming.append(handle)
             if self._idle:  # one wake-up per sleep, not one per submission
                 self._idle = False
                 self._cond.notify()
@@ -401,7 +400,7 @@ class Engine:
             for request in ready:
                 request.agreed_at = agreed_at
                 tl.span(self._lane, self._lane_name, request.name, "QUEUE",
-                        request.handle.submitted_at, agreed_at)
+                        request.submitted_at, agreed_at)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
             self._run(bucket, number, tl)
         if agreement.all_stopped:
@@ -456,7 +455,7 @@ class Engine:
         now = time.perf_counter()
         for request in requests:
             error = request.error
-            request.handle._finish(None if error is not None else request.result, error, now)
+            request._finish(None if error is not None else request.result, error, now)
 
     def _abort(self, exc: BaseException) -> None:
         self._finished = True
@@ -464,7 +463,7 @@ class Engine:
             self._closed = f"failed: {exc!r}"
             self._cond.notify()  # the progress thread may be asleep: let it end
             doomed = list(self._pending.values()) + self._incoming + [
-                r for r in self._running if not r.handle.done and r.name not in self._pending]
+                r for r in self._running if not r.done and r.name not in self._pending]
             self._pending.clear()
             self._incoming = []
         for request in doomed:

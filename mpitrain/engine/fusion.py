@@ -168,6 +168,6 @@ def _begin(bucket: Bucket) -> float:
     """Mark the bucket's requests as started (first start wins) and return the time."""
     now = time.perf_counter()
     for request, _ in bucket.items:
-        if request.handle.started_at is None:
-            request.handle.started_at = now
+        if request.started_at is None:
+            request.started_at = now
     return now

@@ -1,9 +1,9 @@
 """What the engine queues: a :class:`Request` (one named operation) of :class:`Entry`
 arrays, and the :class:`Handle` the caller waits on.
 
-A request is created and checked on the caller's thread, then owned by the engine's
-progress thread until it finishes; the handle holds the request (and so its arrays)
-until then, and the result afterwards.
+A request is created and checked on the caller's thread, then owned by the engine
+until it finishes; it is itself the handle the caller holds (a subclass), so one
+object per submission holds the arrays until then, and the result afterwards.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Handle:
         finished_at: when its result was ready (``None`` before that).
     """
 
-    __slots__ = ("_done", "_error", "_release", "_request", "_result", "_unfinished",
-                 "_waiters", "finished_at", "name", "started_at", "submitted_at")
+    __slots__ = ("_done", "_error", "_release", "_result", "_unfinished", "_waiters",
+                 "finished_at", "name", "started_at", "submitted_at")
 
     def __init__(self, name: str, waiters: Waiters | None = None,
                  release: Callable[[str], None] | None = None) -> None:
@@ -68,7 +68,6 @@ class Handle:
         self._unfinished.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._request: Request | None = None  # keeps the buffers alive until done
 
     def wait(self) -> Any:
         """Block until the operation is done and return its result (idempotent).
@@ -115,7 +114,6 @@ class Handle:
                 now: float | None = None) -> None:
         self.finished_at = time.perf_counter() if now is None else now
         self._result, self._error = result, error
-        self._request = None
         self._done = True
         self._unfinished.release()
 
@@ -145,25 +143,28 @@ class Entry:
         self.nbytes: int = self.count * dtype.itemsize
 
 
-class Request:
+class Request(Handle):
     """One named operation: what every rank must submit under ``name``.
 
+    The engine's record of the operation is also the :class:`Handle` the caller waits
+    on (one object per submission); it holds the arrays until the operation is done.
     ``signature`` is the text every rank's submission of ``name`` must agree on (kind,
     op, dtype, shape, scaling, algorithm, root); it doubles as the error message when
     ranks disagree. A grouped allreduce is one request of several entries.
     """
 
     __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "given", "grouped",
-                 "handle", "inplace", "kind", "name", "op", "postscale", "prescale", "root",
-                 "signature", "unfinished")
+                 "inplace", "kind", "op", "postscale", "prescale", "root", "signature",
+                 "unfinished")
 
     def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
-                 handle: Handle, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
-                 postscale: float = 1.0, algorithm: str | None = None, root: int = 0,
-                 inplace: bool = False, grouped: bool = False, fusion: str = "",
-                 given: bool = True) -> None:
-        self.name, self.kind, self.signature = name, kind, signature
-        self.entries, self.handle = entries, handle
+                 op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
+                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
+                 grouped: bool = False, fusion: str = "", given: bool = True,
+                 waiters: Waiters | None = None,
+                 release: Callable[[str], None] | None = None) -> None:
+        Handle.__init__(self, name, waiters, release)
+        self.kind, self.signature, self.entries = kind, signature, entries
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
         self.fusion = fusion  # allreduces with equal fusion keys may share a buffer
@@ -171,7 +172,6 @@ class Request:
         self.agreed_at = 0.0  # when every rank had submitted it
         self.unfinished = len(entries)  # entries whose bucket has not run yet
         self.error: BaseException | None = None
-        handle._request = self
 
     @property
     def result(self) -> Any:
@@ -179,3 +179,8 @@ class Request:
         if self.grouped:
             return [e.output for e in self.entries]
         return self.entries[0].output
+
+    def _finish(self, result: Any, error: BaseException | None,
+                now: float | None = None) -> None:
+        self.entries = []  # the arrays are no longer needed (the result is kept)
+        Handle._finish(self, result, error, now)

@@ -13,7 +13,7 @@ from benchmarks import harness
 from mpitrain import config
 from mpitrain.backends import NUMPY
 from mpitrain.engine.fusion import fusion_key, plan_buckets
-from mpitrain.engine.request import Entry, Handle, Request
+from mpitrain.engine.request import Entry, Request
 from mpitrain.timeline import Timeline
 
 
@@ -21,8 +21,8 @@ def request(name: str, *arrays: Any, kind: str = "allreduce", op: mt.ReduceOp = 
             grouped: bool = False, algorithm: str = "auto") -> Request:
     entries = [Entry(a, NUMPY, a.dtype) for a in arrays]
     key = fusion_key("numpy", arrays[0].dtype, op.value, 1.0, 1.0, algorithm)
-    return Request(name, kind, "sig", entries, Handle(name), op=op, grouped=grouped,
-                   algorithm=algorithm, fusion=key)
+    return Request(name, kind, "sig", entries, op=op, grouped=grouped, algorithm=algorithm,
+                   fusion=key)
 
 
 def names(buckets: list[Any]) -> list[list[str]]:
