@@ -226,23 +226,25 @@ class Engine:
             self.comm._algorithm(collective, name, 0, entries[0].backend, entries[0].dtype)
         return name
 
-    def _signature(self, key: tuple[Any, ...], backend: str) -> tuple[str, str]:
-        """The signature text of a key and the fusion key of its arrays, built once per
-        distinct key (the fusion key is a string, so looking it up costs no hashing)."""
-        known = self._signatures.get((key, backend))
-        if known is None:
-            if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
-                self._signatures.clear()
-            _, op, dtype, _, prescale, postscale, algorithm, _ = key
-            fusion = fusion_key(backend, dtype, op, prescale, postscale, algorithm)
-            known = self._signatures[(key, backend)] = (describe(key), fusion)
+    def _signature(self, cached: tuple[tuple[Any, ...], str]) -> tuple[str, str]:
+        """The signature text of a key and the fusion key of its arrays (``cached`` is
+        the key and the arrays' backend), built once per distinct key and kept (the
+        fusion key is a string, so looking it up costs no hashing)."""
+        if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
+            self._signatures.clear()
+        key, backend = cached
+        _, op, dtype, _, prescale, postscale, algorithm, _ = key
+        fusion = fusion_key(backend, dtype, op, prescale, postscale, algorithm)
+        known = self._signatures[cached] = (describe(key), fusion)
         return known
 
     def _submit(self, kind: str, name: str | None, key: tuple[Any, ...], entries: list[Entry],
                 op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
                 grouped: bool = False) -> Handle:
-        signature, fusion = self._signature(key, entries[0].backend.name if entries else "")
+        cached = (key, entries[0].backend.name if entries else "")
+        known = self._signatures.get(cached)
+        signature, fusion = known if known is not None else self._signature(cached)
         with self._lock:
             if self._closed is not None:
                 self._check_open()
