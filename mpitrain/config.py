@@ -122,6 +122,10 @@ TIMELINE = Setting("MPITRAIN_TIMELINE", str, "",
 INTER_SEGMENT_BYTES = Setting("MPITRAIN_INTER_SEGMENT_BYTES", _parse_size, 60 << 10,
                               "Largest message of the inter-node phases of hierarchical "
                               "algorithms; 0: as MPITRAIN_SEGMENT_BYTES.")
+CROSS_RANKS = Setting("MPITRAIN_CROSS_RANKS", int, 1,
+                      "Hierarchical allreduce: how many ranks of each node exchange across "
+                      "nodes; 1 sends each node's sum through its first rank (one connection "
+                      "per pair of nodes), 0 every local rank its own shard in parallel.")
 
 
 def _parse_seconds(text: str) -> float:

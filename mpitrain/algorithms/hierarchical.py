@@ -7,12 +7,17 @@ size of the smallest node) exist on every node, so the buffer is cut into
 ``columns`` *columns*: local rank ``i < columns`` handles column ``i`` across nodes,
 and the local ranks above (only on larger nodes) take part inside their node only.
 
-* **Allreduce**: the buffer is cut into ``columns`` shards. Intra-node
-  reduce-scatter: local rank ``i`` gets its node's sum of shard ``i``. Inter-node
-  allreduce of shard ``i`` among the local ranks ``i`` of all nodes, every local rank
-  at once, so all shards cross the links in parallel: recursive doubling (a single
+* **Allreduce**: the buffer is cut into one shard per *crossing* rank: the first
+  ``MPITRAIN_CROSS_RANKS`` local ranks (default 1; 0: all ``columns``). Intra-node
+  reduce-scatter: crossing local rank ``i`` gets its node's sum of shard ``i`` (the
+  others keep nothing). Inter-node allreduce of shard ``i`` among the local ranks
+  ``i`` of all nodes, every crossing rank at once: recursive doubling (a single
   exchange) for two nodes or small shards, the ring otherwise. Intra-node allgather
-  of the shards. Between two nodes, a large buffer is cut into *pieces*
+  of the shards. With one crossing rank per node (like Open MPI's ``coll/han``) each
+  pair of nodes talks over one connection; with several, the shards cross in
+  parallel over as many connections, which on the emulated TCP links measured 2-5 %
+  slower (the flows contend for the shaped link); it pays where one process cannot
+  fill a node's link. Between two nodes, a large buffer is cut into *pieces*
   (:func:`piece_count`) that overlap: the shards of piece ``p`` start across nodes
   as soon as it is reduce-scattered, while piece ``p + 1`` is; a shard goes to the
   node's other ranks (one non-blocking send to each, so that no rank waits for a
@@ -123,6 +128,15 @@ class _Blocking:
         """Nothing left to do."""
 
 
+def cross_columns(topo: Topology) -> int:
+    """How many local ranks of each node carry the allreduce across nodes
+    (``MPITRAIN_CROSS_RANKS``; 0 or more than the smallest node: every rank there)."""
+    wanted = config.CROSS_RANKS.get()
+    if wanted <= 0:
+        return topo.min_local_size
+    return min(wanted, topo.min_local_size)
+
+
 def piece_count(nbytes: int) -> int:
     """How many pieces an allreduce of ``nbytes`` is pipelined in."""
     return max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
@@ -133,7 +147,7 @@ class _Piece:
 
     def __init__(self, req: PlanRequest, lo: int, hi: int) -> None:
         topo = req.topology
-        columns, self.local = topo.min_local_size, topo.local
+        columns, self.local = cross_columns(topo), topo.local
         n = hi - lo
         shards = split_bounds(n, columns) + [(n, n)] * (self.local.size - columns)
         self.lo, self.hi = lo, hi

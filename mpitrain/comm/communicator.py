@@ -537,7 +537,7 @@ class Communicator(AsyncCollectives):
         policy = policy_for(be)
         key = (collective, name, be.name, be.device_id(), policy.name, dt, op, shape, root,
                configured,
-               config.INTER_SEGMENT_BYTES.get())
+               config.INTER_SEGMENT_BYTES.get(), config.CROSS_RANKS.get())
         plan = self._plans.get(key)
         if plan is None:
             if collective == "allgather":

@@ -90,6 +90,16 @@ def test_broadcast(comm: mt.Communicator, dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("cross", ["0", "1"])
+def test_hierarchical_crossing_ranks(comm: mt.Communicator, env: pytest.MonkeyPatch,
+                                     cross: str) -> None:
+    """Each node's sum through its first rank, and every local rank's shard in parallel."""
+    env.setenv("MPITRAIN_CROSS_RANKS", cross)
+    for dtype, op in (("float32", mt.Sum), ("int64", mt.Product)):
+        check_allreduce(comm, "hierarchical", dtype, op, [comm.size - 1, 1001, 300_007])
+
+
+@pytest.mark.mpi(min_size=1)
 def test_hierarchical_segmented(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
     """Tiny pipeline segments: many segments in every phase, intra- and inter-node."""
     env.setenv("MPITRAIN_SEGMENT_BYTES", "40")

@@ -131,6 +131,21 @@ def test_allreduce_in_pieces(emulated: Emulated, env: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("cross", ["0", "1", "2", "9"])
+def test_crossing_ranks(emulated: Emulated, env: pytest.MonkeyPatch, cross: str) -> None:
+    """MPITRAIN_CROSS_RANKS: every node's sum through its first rank (1), through every
+    rank in parallel (0, or more than the smallest node has), or through two; pipelined
+    in pieces and not."""
+    c, _ = emulated
+    env.setenv("MPITRAIN_CROSS_RANKS", cross)
+    check_allreduce(c, "hierarchical", "float64", mt.Sum, [1, c.size + 1, 1001, 100_003])
+    env.setattr(hierarchical, "PIECE_BYTES", 64)
+    env.setattr(hierarchical, "MAX_PIECES", 5)
+    check_allreduce(c, "hierarchical", "int16", mt.Sum, [97, 4099])
+    check_allreduce(c, "hierarchical", "bfloat16", mt.Max, [4099])
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
 def test_dtype_op_matrix_uneven(comm: mt.Communicator, dtype: str, op: mt.ReduceOp) -> None:
     c = with_nodes(comm.mpi_comm, [min(r, 1) for r in range(comm.size)])  # 1 + rest
