@@ -6,7 +6,8 @@ them into markdown: per run the exact command, a table of the median time of eve
 implementation per size with the ratios against the baselines (``mpi/x`` above 1:
 ``x`` is faster than native MPI), and a table of the performance targets with the
 worst measured ratio and whether it was met. The prose around the tables comes from
-a template whose ``{{results}}`` line is replaced.
+a template whose ``{{results}}`` line is replaced; its ``{{multinode}}`` line gets the
+tables of ``benchmarks/multinode.sh``'s runs in ``DIR/multinode``.
 """
 
 from __future__ import annotations
@@ -218,6 +219,57 @@ def render(runs: Sequence[Run], outdir: str) -> list[str]:
     return out
 
 
+RATES = {"mbit": 1e6 / 8, "gbit": 1e9 / 8}  # bytes per second per unit of link rate
+
+
+def link_rate(tag: str) -> float:
+    """Bytes per second of a link rate as the multi-node files name it (``200mbit``)."""
+    for unit, scale in RATES.items():
+        if tag.endswith(unit):
+            return float(tag[:-len(unit)]) * scale
+    raise ValueError(f"unknown link rate {tag!r}")
+
+
+def multinode(folder: str) -> list[str]:
+    """Tables of ``benchmarks/multinode.sh``'s runs in ``folder``: per link rate and node
+    count, mpitrain's flat ring and hierarchical (mean of the ``han`` and ``flat`` runs),
+    native with ``coll/han`` and flat, and the inter-node bound ``2 (N-1)/N x size`` at
+    the link rate."""
+    runs: dict[tuple[str, int], dict[str, dict[tuple[int, str], float]]] = {}
+    docs: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "allreduce-*-*n-*.json"))):
+        _, rate, nodes, native = os.path.splitext(os.path.basename(path))[0].split("-")
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        key = (rate, int(nodes[:-1]))
+        runs.setdefault(key, {})[native] = {(r["size"], r["impl"]): r["time_us"]
+                                            for r in doc["results"]}
+        docs[key] = doc
+    out: list[str] = []
+    for (rate, nodes) in sorted(runs, key=lambda k: (link_rate(k[0]), k[1])):
+        both = runs[(rate, nodes)]
+        if set(both) != {"han", "flat"}:
+            continue
+        han, flat = both["han"], both["flat"]
+        ranks = docs[(rate, nodes)]["machine"].get("ranks", 2 * nodes)
+        out += [f"### {nodes} nodes x {ranks // nodes} ranks, {rate} links", "",
+                "| size | ring (flat) | hierarchical | native, coll/han | native, flat "
+                "(`coll ^han`) | ring/hier | han/hier | flat native/hier | inter-node bound "
+                "| bound/hier |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for size in docs[(rate, nodes)]["settings"]["sizes"]:
+            ring = (han[(size, "mpitrain:ring")] + flat[(size, "mpitrain:ring")]) / 2
+            hier = (han[(size, "mpitrain:hierarchical")]
+                    + flat[(size, "mpitrain:hierarchical")]) / 2
+            h, f = han[(size, "mpi")], flat[(size, "mpi")]
+            bound = 2 * size * (nodes - 1) / nodes / link_rate(rate) * 1e6
+            out.append(f"| {human_size(size)} | {human_time(ring)} | {human_time(hier)} | "
+                       f"{human_time(h)} | {human_time(f)} | {ring / hier:.2f} | "
+                       f"{h / hier:.2f} | {f / hier:.2f} | {human_time(bound)} | "
+                       f"{bound / hier:.0%} |")
+        out.append("")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Write BENCHMARKS.md (or ``-o``) from the runs in ``DIR``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
@@ -233,8 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(a.template, encoding="utf-8") as f:
         template = f.read()
     body = "\n".join(render(runs, os.path.dirname(os.path.abspath(a.output))))
+    cluster = "\n".join(multinode(os.path.join(a.folder, "multinode")))
     with open(a.output, "w", encoding="utf-8") as f:
-        f.write(template.replace("{{results}}", body))
+        f.write(template.replace("{{results}}", body).replace("{{multinode}}", cluster))
     return 0
 
 

@@ -126,6 +126,30 @@ def test_report_tables_and_targets(tmp_path: Any) -> None:
     assert os.path.exists(out)
 
 
+def test_report_multinode_tables(tmp_path: Any) -> None:
+    """The han and flat runs of multinode.sh become one table per rate and node count,
+    with the mean of mpitrain's two runs and the inter-node bound at the link rate."""
+    mib = 1 << 20
+    folder = tmp_path / "multinode"
+    folder.mkdir()
+    for native, mpi_us, hier_us in (("han", 700_000.0, 690_000.0), ("flat", 1_000_000.0,
+                                                                     710_000.0)):
+        times = {"mpitrain:ring": {16 * mib: 1_050_000.0},
+                 "mpitrain:hierarchical": {16 * mib: hier_us}, "mpi": {16 * mib: mpi_us}}
+        doc = _doc("allreduce", 4, list(times), times, "cmd")
+        doc["settings"]["sizes"] = [16 * mib]
+        (folder / f"allreduce-200mbit-2n-{native}.json").write_text(json.dumps(doc))
+    (folder / "allreduce-1gbit-2n-han.json").write_text(json.dumps(doc))  # no flat twin
+    lines = report.multinode(str(folder))
+    assert lines[0] == "### 2 nodes x 2 ranks, 200mbit links"
+    assert "| 16 MiB | 1050.0 ms | 700.0 ms | 700.0 ms | 1000.0 ms | 1.50 | 1.00 | 1.43 | " \
+           "671.1 ms | 96% |" in lines
+    assert not any("1gbit" in line for line in lines)
+    assert report.link_rate("1gbit") == 125e6 and report.link_rate("200mbit") == 25e6
+    with pytest.raises(ValueError):
+        report.link_rate("10kbaud")
+
+
 def test_budget_cuts_repetitions_but_not_below_three() -> None:
     import time as clock
 
