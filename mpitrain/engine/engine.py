@@ -268,7 +268,7 @@ class Engine:
                              prescale, postscale, algorithm, root, inplace, grouped, fusion,
                              given, self._waiters, self._release_name if given else None)
             if not entries:  # an empty group: nothing to agree on or to move
-                handle._finish([], None)
+                handle.complete(result=[])
                 return handle
             if given:
                 self._in_flight.add(name)
@@ -456,8 +456,7 @@ class Engine:
         self.stats.operations += len(requests)
         now = time.perf_counter()
         for request in requests:
-            error = request.error
-            request._finish(None if error is not None else request.result, error, now)
+            request.complete(now)
 
     def _abort(self, exc: BaseException) -> None:
         self._finished = True

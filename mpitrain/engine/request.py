@@ -45,6 +45,8 @@ class Handle:
     (``wait()`` returned or raised, or ``test()`` returned True); only then may the
     name be submitted again.
 
+    Handles are made by the async calls (each is the engine's :class:`Request`).
+
     Attributes:
         name: the operation's name (given, or ``"<kind>.noname.<n>"``).
         submitted_at: ``time.perf_counter()`` when it was submitted.
@@ -54,20 +56,16 @@ class Handle:
 
     __slots__ = ("_done", "_error", "_release", "_result", "_unfinished", "_waiters",
                  "finished_at", "name", "started_at", "submitted_at")
-
-    def __init__(self, name: str, waiters: Waiters | None = None,
-                 release: Callable[[str], None] | None = None) -> None:
-        self.name = name
-        self._waiters = waiters
-        self._release = release  # frees the name once the caller has seen the result
-        self.submitted_at: float = time.perf_counter()
-        self.started_at: float | None = None
-        self.finished_at: float | None = None
-        self._done = False
-        self._unfinished = threading.Lock()  # held from creation until the result is set
-        self._unfinished.acquire()
-        self._result: Any = None
-        self._error: BaseException | None = None
+    name: str
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    _waiters: Waiters | None
+    _release: Callable[[str], None] | None  # frees the name once the caller saw the result
+    _done: bool
+    _unfinished: threading.Lock  # held from creation until the result is set
+    _result: Any
+    _error: BaseException | None
 
     def wait(self) -> Any:
         """Block until the operation is done and return its result (idempotent).
@@ -87,7 +85,10 @@ class Handle:
             finally:
                 if waiters is not None:
                     waiters.add(-1)
-        self._observed()
+        release = self._release  # as _observed(), inline: this runs once per tensor
+        if release is not None:
+            self._release = None
+            release(self.name)
         if self._error is not None:
             raise self._error
         return self._result
@@ -109,13 +110,6 @@ class Handle:
     def done(self) -> bool:
         """Same as :meth:`test`."""
         return self._done
-
-    def _finish(self, result: Any, error: BaseException | None,
-                now: float | None = None) -> None:
-        self.finished_at = time.perf_counter() if now is None else now
-        self._result, self._error = result, error
-        self._done = True
-        self._unfinished.release()
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done else "pending"
@@ -163,7 +157,19 @@ class Request(Handle):
                  grouped: bool = False, fusion: str = "", given: bool = True,
                  waiters: Waiters | None = None,
                  release: Callable[[str], None] | None = None) -> None:
-        Handle.__init__(self, name, waiters, release)
+        # the handle's part
+        self.name = name
+        self._waiters = waiters
+        self._release = release
+        self.submitted_at = time.perf_counter()
+        self.started_at = None
+        self.finished_at = None
+        self._done = False
+        self._unfinished = lock = threading.Lock()
+        lock.acquire()
+        self._result = None
+        self._error = None
+        # the operation's part
         self.kind, self.signature, self.entries = kind, signature, entries
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
@@ -173,14 +179,16 @@ class Request(Handle):
         self.unfinished = len(entries)  # entries whose bucket has not run yet
         self.error: BaseException | None = None
 
-    @property
-    def result(self) -> Any:
-        """What ``wait()`` returns: the output, or the list of outputs of a group."""
-        if self.grouped:
-            return [e.output for e in self.entries]
-        return self.entries[0].output
-
-    def _finish(self, result: Any, error: BaseException | None,
-                now: float | None = None) -> None:
-        self.entries = []  # the arrays are no longer needed (the result is kept)
-        Handle._finish(self, result, error, now)
+    def complete(self, now: float | None = None, result: Any = None) -> None:
+        """Hand the caller the result (``error`` if set; ``result`` if given, else the
+        output, or the list of outputs of a group) and wake its ``wait()``. The arrays
+        are let go; the result is kept."""
+        error = self.error
+        if error is None and result is None:
+            entries = self.entries
+            result = [e.output for e in entries] if self.grouped else entries[0].output
+        self.finished_at = time.perf_counter() if now is None else now
+        self._result, self._error = (None, error) if error is not None else (result, None)
+        self.entries = []
+        self._done = True
+        self._unfinished.release()
