@@ -102,7 +102,9 @@ class Engine:
                 "default ('multiple')")
         from ..comm.communicator import Communicator  # the comm layer imports this module
 
-        self.comm = Communicator(owner.mpi_comm)
+        # the owner's choices of validation and shared memory carry over
+        self.comm = Communicator(owner.mpi_comm, check=owner._check,
+                                 shared_memory=owner.shm is not None)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.stats = EngineStats()
         self._waiters = Waiters(self._drive)

@@ -126,6 +126,28 @@ def test_announcements_past_the_shared_memory_slot(comm: mt.Communicator) -> Non
                                np.full(3, i * comm.size + want_base, np.int64), names[i][:14])
 
 
+@pytest.mark.mpi(min_size=2)
+def test_negotiation_without_shared_memory(comm: mt.Communicator) -> None:
+    """Without shared memory the cycles go through MPI_Iallgather (and MPI_Allgatherv
+    for long announcements): names in different orders, fusion, and a mismatch."""
+    c = mt.Communicator(comm.mpi_comm, shared_memory=False)
+    try:
+        assert c.shm is None
+        names = [f"plain/{i:03d}/" + "y" * 120 for i in range(60)]  # past the 4 KiB slot
+        order = list(range(len(names)))[::-1 if c.rank % 2 else 1]
+        handles = {i: c.allreduce_async(np.full(5, i, np.float64), name=names[i])
+                   for i in order}
+        for i in range(len(names)):
+            assert_equal_all_ranks(c, handles[i].wait(), np.full(5, i * c.size, np.float64),
+                                   names[i][:10])
+        assert c._async_engine().comm.shm is None
+        bad = c.allreduce_async(np.ones(3, np.float32 if c.rank else np.float64), name="bad")
+        with pytest.raises(mt.MismatchError, match="different arguments"):
+            bad.wait()
+    finally:
+        c.free()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_one_bucket_of_mixed_shapes_and_layouts(comm: mt.Communicator) -> None:
     """One fused bucket holding 2-d, 1-d, 0-d, strided and in-place arrays: each result
