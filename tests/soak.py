@@ -7,7 +7,8 @@ a total; it exits non-zero if any result was wrong or any job failed.
 Each job (``--worker``) draws the same sequence of cases on every rank from
 ``--seed``: collective (allreduce, in place or into ``out=``, reduce-scatter,
 allgather with rows that differ by rank, broadcast, broadcast in place, object
-collectives, barrier), dtype, op, element count (0, 1, fewer than the ranks, and
+collectives, barrier, and batches of async allreduces named in a different order on
+every rank), dtype, op, element count (0, 1, fewer than the ranks, and
 log-uniform up to ``--max-count``), shape, algorithm, power-of-two scaling,
 non-contiguous input and the ring's segment size. Inputs come from
 ``helpers.crafted``, whose reductions are exact in every dtype, so every rank checks
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import DTYPES, crafted, ops_for, reference
 
 KINDS = ("allreduce", "allreduce_", "allreduce_out", "reduce_scatter", "allgather",
-         "broadcast", "broadcast_", "broadcast_object", "allgather_object", "barrier")
-WEIGHTS = np.array([6, 3, 2, 5, 4, 3, 2, 1, 1, 1], float)
+         "broadcast", "broadcast_", "broadcast_object", "allgather_object", "barrier",
+         "async")
+WEIGHTS = np.array([6, 3, 2, 5, 4, 3, 2, 1, 1, 1, 2], float)
 SMALL_SEGMENTS = ("", "", "", "64", "1K", "24")  # many segments: only for small counts
 LARGE_SEGMENTS = ("", "", "64K", "256K")
 
@@ -69,6 +71,8 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
     if kind == "barrier":
         comm.barrier()
         return what, True
+    if kind == "async":
+        return async_batch(comm, rng, max_count)
     if kind == "broadcast_object":
         root = int(rng.integers(size))
         got = comm.broadcast_object({"root": root, "rank": rank, "data": list(range(count % 50))},
@@ -126,6 +130,60 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
         got = comm.allreduce_(x, op=op, algorithm=algorithm, prescale_factor=pre,
                               postscale_factor=post)
     return what, _same(got, want)
+
+
+def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
+    """A batch of async allreduces (some in place, one maybe a grouped allreduce), named
+    ones submitted and waited in an order of each rank's own, unnamed ones in the
+    common order, some polled with ``test()``; every result checked."""
+    import mpitrain as mt
+
+    size, rank = comm.size, comm.rank
+    n = int(rng.integers(1, 31))
+    specs = []
+    for i in range(n):
+        dtype = str(rng.choice(DTYPES))
+        ops = ops_for(dtype)
+        op = ops[rng.integers(len(ops))]
+        count = draw_count(rng, size, max_count // 8 or 1)
+        specs.append((dtype, op, count, bool(rng.integers(2)), bool(rng.integers(4)),
+                      f"soak/{rng.integers(1 << 62)}/{i}"))
+    mine = np.random.default_rng([int(rng.integers(1 << 31)), rank])  # this rank's orders
+    named = [i for i, s in enumerate(specs) if s[4]]
+    unnamed = [i for i, s in enumerate(specs) if not s[4]]
+    mine.shuffle(named)
+    handles: dict[int, Any] = {}
+    inputs: dict[int, Any] = {}
+    for i in named + unnamed:
+        dtype, op, count, inplace, has_name, name = specs[i]
+        x = inputs[i] = crafted(rank, count, dtype, op)
+        call = comm.allreduce_async_ if inplace else comm.allreduce_async
+        handles[i] = call(x, op=op, name=name if has_name else None)
+    group = None
+    if rng.integers(3) == 0:
+        counts = [draw_count(rng, size, 2000) for _ in range(int(rng.integers(1, 5)))]
+        group = (counts, comm.grouped_allreduce_async(
+            [crafted(rank + k, c, "float64", mt.Sum) for k, c in enumerate(counts)]))
+    waits = list(handles)
+    mine.shuffle(waits)
+    ok = True
+    for i in waits:
+        dtype, op, count, inplace, _, _ = specs[i]
+        if mine.integers(3) == 0:
+            while not handles[i].test():
+                time.sleep(0.0001)
+        got = handles[i].wait()
+        if inplace and got is not inputs[i]:
+            ok = False
+        ok = ok and _same(got, reference(size, count, dtype, op) if op is not mt.Average
+                          else _scaled(reference(size, count, dtype, mt.Sum), op, size, 1.0,
+                                       1.0))
+    if group is not None:
+        counts, handle = group
+        for k, (c, got) in enumerate(zip(counts, handle.wait())):
+            want = sum(crafted(r + k, c, "float64", mt.Sum) for r in range(size))
+            ok = ok and _same(got, np.asarray(want, np.float64).reshape(c))
+    return f"async {n} allreduces{' + group' if group else ''}", ok
 
 
 def _scaled(acc: np.ndarray, op: Any, size: int, pre: float, post: float) -> np.ndarray:

@@ -347,26 +347,33 @@ class Engine:
         The caller would only sleep until the progress thread had run them; running
         them here saves the two thread switches of that hand-over (with the GIL, each
         costs tens of microseconds). Returns when the handle is done, when a cycle
-        moved nothing (other ranks have not submitted yet: the progress thread goes on
-        polling, with its pauses), or when another thread is running a cycle.
+        moved nothing (other ranks have not submitted yet), or when another thread is
+        running a cycle. Whatever is left (requests other ranks have not submitted
+        yet, new submissions) goes back to the progress thread, woken if asleep: the
+        caller may not wait again, and other ranks' cycles need this rank's.
         """
-        while not handle.done and not self._finished:
-            if not self._cycling.acquire(blocking=False):
-                return
-            try:
-                if handle.done or self._finished or not self._has_work():
+        ran = False
+        try:
+            while not handle.done and not self._finished:
+                if not self._cycling.acquire(blocking=False):
                     return
-                progressed = self._step()
-            except BaseException as exc:  # as in the progress thread: fail everything
-                self._abort(exc)
-                return
-            finally:
-                self._cycling.release()
-            if not progressed:
-                with self._cond:  # requests are pending: the progress thread takes over
-                    self._idle = False
-                    self._cond.notify()
-                return
+                try:
+                    if handle.done or self._finished or not self._has_work():
+                        return
+                    ran = True
+                    if not self._step():
+                        return
+                except BaseException as exc:  # as in the progress thread: fail everything
+                    self._abort(exc)
+                    return
+                finally:
+                    self._cycling.release()
+        finally:
+            if ran:
+                with self._cond:
+                    if self._idle and self._has_work():
+                        self._idle = False
+                        self._cond.notify()
 
     def _step(self) -> bool:
         """Take the new submissions and run one cycle."""

@@ -213,6 +213,28 @@ def test_engine_progresses_after_callers_ran_cycles(comm: mt.Communicator) -> No
                                f"step {step}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_pending_work_after_a_waiting_caller_goes_on(comm: mt.Communicator) -> None:
+    """Rank 0 submits A and B and waits for A, which runs its cycles on its own thread;
+    the other ranks submit B only after A is done, so B is still pending when rank 0's
+    wait returns. Nobody waits for B after that (only test()): the progress thread must
+    take it over, or every rank hangs."""
+    for step in range(10):
+        a, b = f"pending/{step}/a", f"pending/{step}/b"
+        if comm.rank == 0:
+            ha = comm.allreduce_async(np.full(2, 1, np.int64), name=a)
+            hb = comm.allreduce_async(np.full(2, 2, np.int64), name=b)
+            ha.wait()
+        else:
+            comm.allreduce_async(np.full(2, 1, np.int64), name=a).wait()
+            hb = comm.allreduce_async(np.full(2, 2, np.int64), name=b)
+        deadline = time.perf_counter() + 20
+        while not hb.test() and time.perf_counter() < deadline:
+            time.sleep(0.0005)
+        assert_all_ranks(comm, hb.test(), f"step {step}: B never ran after A's wait")
+        assert_equal_all_ranks(comm, hb.wait(), np.full(2, 2 * comm.size, np.int64), "B")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_small_operations_are_fused(comm: mt.Communicator) -> None:
     before = comm.async_stats()
