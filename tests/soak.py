@@ -104,8 +104,7 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
         if float_like and op in (mt.Sum, mt.Average) else (1.0, 1.0)
     what += f" {op.value} pre={pre:g} post={post:g}"
     x = crafted(rank, count, dtype, op)
-    want = _scaled(reference(size, count, dtype, mt.Sum if op is mt.Average else op),
-                   op, size, pre, post)
+    want = expected(size, count, dtype, op, pre, post)
     if kind == "reduce_scatter":
         row = int(rng.integers(1, 4))
         n = count // row * row
@@ -175,15 +174,22 @@ def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[st
         got = handles[i].wait()
         if inplace and got is not inputs[i]:
             ok = False
-        ok = ok and _same(got, reference(size, count, dtype, op) if op is not mt.Average
-                          else _scaled(reference(size, count, dtype, mt.Sum), op, size, 1.0,
-                                       1.0))
+        ok = ok and _same(got, expected(size, count, dtype, op))
     if group is not None:
         counts, handle = group
         for k, (c, got) in enumerate(zip(counts, handle.wait())):
             want = sum(crafted(r + k, c, "float64", mt.Sum) for r in range(size))
             ok = ok and _same(got, np.asarray(want, np.float64).reshape(c))
     return f"async {n} allreduces{' + group' if group else ''}", ok
+
+
+def expected(size: int, count: int, dtype: str, op: Any, pre: float = 1.0,
+             post: float = 1.0) -> np.ndarray:
+    """The allreduce of ``crafted`` inputs over ``size`` ranks, scaled and averaged."""
+    import mpitrain as mt
+
+    return _scaled(reference(size, count, dtype, mt.Sum if op is mt.Average else op),
+                   op, size, pre, post)
 
 
 def _scaled(acc: np.ndarray, op: Any, size: int, pre: float, post: float) -> np.ndarray:

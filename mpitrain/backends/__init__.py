@@ -1,6 +1,7 @@
 """Array backends: numpy for host memory, cupy for device memory.
 
-:func:`backend_for` picks the backend that owns an array; the comm layer never
+:func:`backend_for` picks the backend that owns an array (:func:`backend_and_array`
+also returns the array); the comm layer never
 imports numpy or cupy for the data path itself. The CuPy backend is registered
 lazily: CuPy is imported only when a device array (a ``cupy.ndarray``, or any
 object exposing ``__cuda_array_interface__`` or a CUDA ``__dlpack_device__``, such
@@ -8,6 +9,8 @@ as a torch CUDA tensor) is first passed in.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -73,4 +76,13 @@ def backend_for(obj: object) -> ArrayBackend:
                      "numpy array, a cupy array or a CUDA array (torch tensor, ...)")
 
 
-__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_for", "is_device_array", "register"]
+def backend_and_array(x: Any) -> tuple[ArrayBackend, Array]:
+    """The backend of ``x`` and ``x`` as its array (numpy arrays take the fast path)."""
+    if type(x) is np.ndarray:
+        return NUMPY, x
+    be = backend_for(x)
+    return be, be.asarray(x)
+
+
+__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_and_array", "backend_for",
+           "is_device_array", "register"]

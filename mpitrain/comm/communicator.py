@@ -28,7 +28,7 @@ from mpi4py import MPI
 from .. import algorithms, config
 from ..algorithms.chunks import bounds_from_counts, split_bounds
 from ..algorithms.shared_memory import offer_block
-from ..backends import NUMPY, ArrayBackend, backend_for
+from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_for
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
 from ..engine import AsyncCollectives
 from ..errors import ArgumentError
@@ -168,7 +168,7 @@ class Communicator(AsyncCollectives):
             A new array (or ``out``) with the reduction; a CuPy array on ``x``'s device
             for device input.
         """
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
         dt = self._check_reducible(arr, rop)
         if out is None:
@@ -191,7 +191,7 @@ class Communicator(AsyncCollectives):
         A non-contiguous ``x`` is reduced through a contiguous copy written back. A
         torch CUDA tensor is written in place through a zero-copy CuPy view.
         """
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         if not be.writes_through(arr, x):
             raise ArgumentError(f"rank {self.rank}: allreduce_ needs an array to write into, "
                                 f"got {type(x).__name__}; use allreduce() instead")
@@ -251,7 +251,7 @@ class Communicator(AsyncCollectives):
         Returns:
             ``out``, or a new array of shape ``(rows of this rank,) + x.shape[1:]``.
         """
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
         dt = self._check_reducible(arr, rop)
         if arr.ndim == 0:
@@ -298,7 +298,7 @@ class Communicator(AsyncCollectives):
         Returns:
             ``out``, or a new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
         """
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         dt = check_dtype(arr.dtype, rank=self.rank)
         if arr.ndim == 0:
             arr = arr.reshape(1)
@@ -344,7 +344,7 @@ class Communicator(AsyncCollectives):
         On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
         is as for :meth:`allreduce`.
         """
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         out = be.empty(arr.size, check_dtype(arr.dtype, rank=self.rank)).reshape(arr.shape)
         if self.rank == root:
             be.copy_into(out, arr)
@@ -354,7 +354,7 @@ class Communicator(AsyncCollectives):
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
                    name: str | None = None, *, stream: Any = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
-        be, arr = _array(x)
+        be, arr = backend_and_array(x)
         check_dtype(arr.dtype, rank=self.rank)
         self._check_writeable(be, arr, "broadcast_")
         work = be.ascontiguous(arr)
@@ -554,14 +554,6 @@ class Communicator(AsyncCollectives):
         else:
             self._plans.move_to_end(key)
         return plan
-
-
-def _array(x: Any) -> tuple[ArrayBackend, Array]:
-    """The backend of ``x`` and ``x`` as its array (numpy arrays take the fast path)."""
-    if type(x) is np.ndarray:
-        return NUMPY, x
-    be = backend_for(x)
-    return be, be.asarray(x)
 
 
 def _row_size(shape: tuple[int, ...]) -> int:

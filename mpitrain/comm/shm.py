@@ -38,6 +38,9 @@ FP, ROWS, PAYLOAD = 0, 1, 2
 CACHE_LINE = 64
 
 StallHook = Callable[[float, list[int]], None]
+yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
+    else (lambda: time.sleep(0))
+"""Give the core to another runnable thread or process (releases the GIL)."""
 
 
 def _align(nbytes: int) -> int:
@@ -117,14 +120,13 @@ class SharedMemory:
 
     def _poll(self, target: int) -> None:
         flags = self.flags
-        yield_ = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
         spin = not self.oversubscribed
         polls = 0
         start = 0.0
         while min(flags) < target:
             polls += 1
             if not spin or polls > 64:
-                yield_()
+                yield_cpu()
             if polls & 0x3FFF == 0:
                 now = time.monotonic()
                 if start == 0.0:

@@ -43,11 +43,10 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 from .. import config, timeline
-from ..backends import NUMPY, ArrayBackend, backend_for
+from ..backends import backend_and_array
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
@@ -196,12 +195,7 @@ class Engine:
                             postscale=postscale, algorithm=algo)
 
     def _entry(self, x: Any, what: str, inplace: bool, op: ReduceOp | None) -> Entry:
-        if type(x) is np.ndarray:  # the common case, without the backend lookup
-            be: ArrayBackend = NUMPY
-            arr = x
-        else:
-            be = backend_for(x)
-            arr = be.asarray(x)
+        be, arr = backend_and_array(x)
         if inplace:
             if arr is not x and not isinstance(x, type(arr)):
                 raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
@@ -270,14 +264,12 @@ class Engine:
                              prescale, postscale, algorithm, root, inplace, grouped, fusion,
                              given, self._waiters, self._release_name if given else None)
             if not entries:  # an empty group: nothing to agree on or to move
-                handle.complete(result=[])
+                handle.complete()
                 return handle
             if given:
                 self._in_flight.add(name)
             self._incoming.append(handle)
-            if self._idle:  # one wake-up per sleep, not one per submission
-                self._idle = False
-                self._cond.notify()
+            self._wake()  # one wake-up per sleep, not one per submission
         return handle
 
     def _check_open(self) -> None:
@@ -295,8 +287,7 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._closed = self._closed or "has been shut down"
-            self._idle = False
-            self._cond.notify()
+            self._wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
@@ -341,6 +332,12 @@ class Engine:
     def _has_work(self) -> bool:
         return bool(self._incoming or self._pending) or self._stopping
 
+    def _wake(self) -> None:
+        """Wake the progress thread if it sleeps (hold ``_cond``)."""
+        if self._idle:
+            self._idle = False
+            self._cond.notify()
+
     def _drive(self, handle: Handle) -> None:
         """Run cycles on the thread of a caller blocked in ``handle.wait()``.
 
@@ -371,9 +368,8 @@ class Engine:
         finally:
             if ran:
                 with self._cond:
-                    if self._idle and self._has_work():
-                        self._idle = False
-                        self._cond.notify()
+                    if self._has_work():
+                        self._wake()
 
     def _step(self) -> bool:
         """Take the new submissions and run one cycle."""

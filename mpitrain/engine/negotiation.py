@@ -26,20 +26,17 @@ payload too large for the slot costs a second exchange (``MPI_Allgatherv``).
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.shm import SharedMemory, yield_cpu
 from .request import Waiters
-
-if TYPE_CHECKING:
-    from ..comm.shm import SharedMemory
 
 Signatures = dict[int, str]
 Announcement = Union[int, tuple[str, str]]  # a cached pair's number, or (name, signature)
@@ -49,7 +46,6 @@ _FIELDS = 3  # payload length, stop flag, threshold: int64s at the start of a sl
 _HEAD = struct.Struct(f"={_FIELDS}q")
 CACHE_LIMIT = 1 << 16
 SPIN_S = 100e-6
-_yield = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
 
 
 @dataclass
@@ -124,10 +120,13 @@ class Negotiator:
         if len(payload) <= self._inline:
             slot[8 * _FIELDS:8 * _FIELDS + len(payload)] = np.frombuffer(payload, np.uint8)
         if shm is not None:
-            self._wait_shm(shm.arrive())
+            target = shm.arrive()
+            flags = shm.flags
+            self._wait(lambda: min(flags) >= target, lambda: self._block_shm(target))
             slots = shm.slots[parity]  # read before this thread's next two barriers
         else:
-            self._poll(self.comm.Iallgather(self._slot, self._slots))
+            request = self.comm.Iallgather(self._slot, self._slots)
+            self._wait(request.Test, request.Wait)
             slots = self._slots
         heads = [_HEAD.unpack_from(slots[r].data) for r in range(self.size)]
         lengths = [h[0] for h in heads]
@@ -209,48 +208,32 @@ class Negotiator:
                 sigs = table[name] = {}
             sigs[rank] = signature
 
-    def _poll(self, request: MPI.Request) -> None:
-        """Wait for ``request``. While a caller is blocked in ``wait()`` (so this process
-        has nothing else to run), wait inside MPI like a blocking call does. Otherwise
-        test it for up to ``SPIN_S`` (ranks that are in step meet within that), then
-        sleep between tests, 20 us doubling to ``max_poll_s``, so that a rank waiting for
-        slower ranks does not take a core from the caller's computation."""
+    def _wait(self, done: Callable[[], bool], block: Callable[[], object]) -> None:
+        """Wait for this cycle's exchange: ``done()`` tests it, ``block()`` waits for it
+        like a blocking call. While a caller is blocked in ``wait()`` (this process has
+        nothing else to run) that is at once ``block()``. Otherwise test for up to
+        ``SPIN_S`` (ranks that are in step meet within that), then sleep between tests,
+        20 us doubling to ``max_poll_s``, so that a rank waiting for slower ranks does
+        not take a core from the caller's computation."""
         waiters = self.waiters
-        if waiters.blocked:
-            request.Wait()
-            return
-        spin_until = time.perf_counter() + SPIN_S
-        while not request.Test():
-            if time.perf_counter() > spin_until or waiters.blocked:
-                break
-            time.sleep(0)  # lets the caller's threads run
-        else:
-            return
-        delay = 20e-6
-        while not request.Test():
-            if waiters.blocked:
-                request.Wait()
-                return
-            time.sleep(delay)
-            delay = min(2.0 * delay, self.max_poll_s)
-
-    def _wait_shm(self, target: int) -> None:
-        """:meth:`_poll` for a shared-memory barrier: wait until every rank has arrived
-        at ``target``, yielding the core while a caller is blocked, sleeping otherwise
-        (no stall warning: a rank may legitimately submit much later than the others)."""
-        shm, waiters = self.shm, self.waiters
-        assert shm is not None
-        flags = shm.flags
         spin_until = time.perf_counter() + SPIN_S
         delay = 0.0
-        while min(flags) < target:
-            if waiters.blocked:
-                _yield()
-            elif delay:
+        while not waiters.blocked and not done():
+            if delay:
                 time.sleep(delay)
                 delay = min(2.0 * delay, self.max_poll_s)
             elif time.perf_counter() > spin_until:
                 delay = 20e-6
             else:
-                time.sleep(0)
-        shm.wait(target)  # every rank has arrived: orders the loads after the flags
+                time.sleep(0)  # lets the caller's threads run
+        block()
+
+    def _block_shm(self, target: int) -> None:
+        """Wait until every rank has arrived at shared-memory barrier ``target``,
+        yielding the core (no stall warning, unlike the collectives' barriers: a rank
+        may legitimately submit much later than the others)."""
+        assert self.shm is not None
+        flags = self.shm.flags
+        while min(flags) < target:
+            yield_cpu()
+        self.shm.wait(target)  # every rank has arrived: orders the loads after the flags

@@ -52,9 +52,10 @@ class Handle:
         submitted_at: ``time.perf_counter()`` when it was submitted.
         started_at: when its collective began (``None`` before that).
         finished_at: when its result was ready (``None`` before that).
+        error: why the operation failed (what ``wait()`` raises), else ``None``.
     """
 
-    __slots__ = ("_done", "_error", "_release", "_result", "_unfinished", "_waiters",
+    __slots__ = ("_done", "_release", "_result", "_unfinished", "_waiters", "error",
                  "finished_at", "name", "started_at", "submitted_at")
     name: str
     submitted_at: float
@@ -65,7 +66,7 @@ class Handle:
     _done: bool
     _unfinished: threading.Lock  # held from creation until the result is set
     _result: Any
-    _error: BaseException | None
+    error: BaseException | None
 
     def wait(self) -> Any:
         """Block until the operation is done and return its result (idempotent).
@@ -85,12 +86,9 @@ class Handle:
             finally:
                 if waiters is not None:
                     waiters.add(-1)
-        release = self._release  # as _observed(), inline: this runs once per tensor
-        if release is not None:
-            self._release = None
-            release(self.name)
-        if self._error is not None:
-            raise self._error
+        self._observed()
+        if self.error is not None:
+            raise self.error
         return self._result
 
     def test(self) -> bool:
@@ -112,7 +110,7 @@ class Handle:
         return self._done
 
     def __repr__(self) -> str:
-        state = "failed" if self._error is not None else "done" if self.done else "pending"
+        state = "pending" if not self._done else "failed" if self.error is not None else "done"
         return f"<mpitrain.Handle {self.name!r} {state}>"
 
 
@@ -147,7 +145,7 @@ class Request(Handle):
     ranks disagree. A grouped allreduce is one request of several entries.
     """
 
-    __slots__ = ("agreed_at", "algorithm", "entries", "error", "fusion", "given", "grouped",
+    __slots__ = ("agreed_at", "algorithm", "entries", "fusion", "given", "grouped",
                  "inplace", "kind", "op", "postscale", "prescale", "root", "signature",
                  "unfinished")
 
@@ -168,7 +166,7 @@ class Request(Handle):
         self._unfinished = lock = threading.Lock()
         lock.acquire()
         self._result = None
-        self._error = None
+        self.error = None
         # the operation's part
         self.kind, self.signature, self.entries = kind, signature, entries
         self.op, self.prescale, self.postscale = op, prescale, postscale
@@ -177,18 +175,15 @@ class Request(Handle):
         self.given = given  # the caller named it (a generated name never repeats)
         self.agreed_at = 0.0  # when every rank had submitted it
         self.unfinished = len(entries)  # entries whose bucket has not run yet
-        self.error: BaseException | None = None
 
-    def complete(self, now: float | None = None, result: Any = None) -> None:
-        """Hand the caller the result (``error`` if set; ``result`` if given, else the
-        output, or the list of outputs of a group) and wake its ``wait()``. The arrays
-        are let go; the result is kept."""
-        error = self.error
-        if error is None and result is None:
+    def complete(self, now: float | None = None) -> None:
+        """Hand the caller the result (the output, or the list of outputs of a group),
+        or the ``error`` if one was set, and wake its ``wait()``. The arrays are let go;
+        the result is kept."""
+        if self.error is None:
             entries = self.entries
-            result = [e.output for e in entries] if self.grouped else entries[0].output
+            self._result = [e.output for e in entries] if self.grouped else entries[0].output
         self.finished_at = time.perf_counter() if now is None else now
-        self._result, self._error = (None, error) if error is not None else (result, None)
         self.entries = []
         self._done = True
         self._unfinished.release()
