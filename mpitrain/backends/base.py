@@ -60,6 +60,10 @@ class ArrayBackend(Protocol):
     def copy_into(self, dst: Array, src: Array) -> None:
         """``dst[...] = src`` for same-shaped arrays."""
 
+    def scatter(self, dsts: list[Array], rows: Array) -> None:
+        """``dsts[i][...] = rows[i]`` for every ``i``: the rows of a 2-D array into
+        arrays of the row's length and dtype (the unpacking of a fusion buffer)."""
+
     def writes_through(self, arr: Array, obj: object) -> bool:
         """True if writing into ``arr = asarray(obj)`` writes into ``obj``."""
 

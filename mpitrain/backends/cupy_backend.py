@@ -159,6 +159,11 @@ class CupyBackend:
         """``dst[...] = src`` on the current stream."""
         cupy.copyto(dst, src)
 
+    def scatter(self, dsts: list[Array], rows: Array) -> None:
+        """``dsts[i][...] = rows[i]``, one copy per array on the current stream."""
+        for dst, row in zip(dsts, rows):
+            cupy.copyto(dst, row)
+
     def reduce_into(self, dst: Array, a: Array, b: Array, op: ReduceOp,
                     factor: float = 1.0) -> None:
         """``dst = (a <op> b) * factor``: one kernel for the kernel dtypes."""

@@ -80,6 +80,12 @@ class NumpyBackend:
         """``dst[...] = src``."""
         np.copyto(dst, src)
 
+    def scatter(self, dsts: list[Array], rows: Array) -> None:
+        """``dsts[i][...] = rows[i]`` (item assignment: a third cheaper per call than
+        ``np.copyto``, and the dtypes are equal, so no cast happens)."""
+        for dst, row in zip(dsts, rows):
+            dst[...] = row
+
     def writes_through(self, arr: Array, obj: object) -> bool:
         """True if ``arr`` is ``obj`` or a view numpy made of an array subclass."""
         return arr is obj or isinstance(obj, type(arr))

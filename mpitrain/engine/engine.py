@@ -40,24 +40,27 @@ import dataclasses
 import threading
 import time
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from itertools import count
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import config, timeline
-from ..backends import backend_and_array
+from ..backends import NUMPY, ArrayBackend, backend_and_array
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import Negotiator, Signatures
-from .request import Entry, Handle, Request, Waiters
+from .request import Entry, Handle, Request, Spec, Waiters
 
 if TYPE_CHECKING:
     from ..comm.communicator import Communicator
 
-_SIGNATURE_CACHE_SIZE = 4096
+_SPEC_CACHE_SIZE = 4096
 EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
@@ -118,9 +121,8 @@ class Engine:
         self._cycling = threading.Lock()  # held by the thread running a cycle
         self._incoming: list[Request] = []
         self._in_flight: set[str] = set()
-        self._counters: dict[str, int] = {}
-        self._checked: set[tuple[Any, str | None]] = set()
-        self._signatures: dict[tuple[Any, ...], tuple[str, str]] = {}
+        self._counters: defaultdict[str, Iterator[int]] = defaultdict(count)
+        self._specs: dict[tuple[Any, ...], Spec] = {}
         self._stopping = False
         self._closed: str | None = None  # why new submissions are refused
         self._pending: dict[str, Request] = {}  # progress thread only
@@ -133,17 +135,27 @@ class Engine:
         _LIVE.add(self)
 
     # -- submission (caller's thread) -------------------------------------------------
+    # Each call looks its arguments up in ``_specs``: the checks, the signature text and
+    # the fusion key are made once per distinct arguments (a :class:`Spec`); a
+    # submission then only checks what belongs to the array itself (writeable).
     def allreduce(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
                   postscale: float, algorithm: str | None, inplace: bool) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
-        rop = op if isinstance(op, ReduceOp) else parse_op(op)
-        entry = self._entry(x, "allreduce_async_" if inplace else "allreduce_async", inplace,
-                            rop)
-        algo = None if algorithm is None else self._check_algorithm("allreduce", algorithm, entry)
-        key = ("allreduce", rop._value_, entry.dtype, entry.array.shape, prescale, postscale,
-               algo, 0)
-        return self._submit("allreduce", name, key, [entry], rop, prescale, postscale, algo, 0,
-                            inplace)
+        be: ArrayBackend
+        if type(x) is np.ndarray:  # the common case, without a conversion
+            be, arr = NUMPY, x
+        else:
+            be, arr = self._array(x, "allreduce_async_" if inplace else "allreduce_async",
+                                  inplace)
+        key = ("allreduce", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm,
+               inplace)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._new_spec(key, lambda: self._reduction_spec(
+                "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
+        if inplace and not be.is_writeable(arr):
+            self.comm._check_writeable(be, arr, "allreduce_async_")  # raises
+        return self._submit("allreduce", name, spec, arr, x if inplace else None)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str, name: str | None,
                           prescale: float, postscale: float, algorithm: str | None,
@@ -152,103 +164,147 @@ class Engine:
         if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
             raise ArgumentError(f"rank {self.rank}: grouped_allreduce needs a list of arrays, "
                                 f"got {type(xs).__name__}")
-        rop = op if isinstance(op, ReduceOp) else parse_op(op)
         what = "grouped_allreduce_" if inplace else "grouped_allreduce"
-        entries = [self._entry(x, what, inplace, rop) for x in xs]
-        algo = self._check_algorithm("allreduce", algorithm, *entries)
-        arrays = tuple((e.dtype, e.array.shape) for e in entries)
-        key = ("grouped_allreduce", rop.value, None, arrays, prescale, postscale, algo, 0)
-        return self._submit("grouped_allreduce", name, key, entries, op=rop, prescale=prescale,
-                            postscale=postscale, algorithm=algo, inplace=inplace, grouped=True)
+        entries = []
+        for x in xs:
+            be, arr = self._array(x, what, inplace)
+            if inplace and not be.is_writeable(arr):
+                self.comm._check_writeable(be, arr, what)  # raises
+            entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
+        arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
+        key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._new_spec(key, lambda: self._group_spec(
+                entries, op, prescale, postscale, algorithm, inplace))
+        return self._submit("grouped_allreduce", name, spec, None, None, entries)
 
     def allgather(self, x: Any, name: str | None, algorithm: str | None) -> Handle:
         """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
-        entry = self._entry(x, "allgather_async", False, None)
-        algo = self._check_algorithm("allgather", algorithm, entry)
-        rows = (None, *entry.array.shape[1:])  # None: any number of rows
-        key = ("allgather", None, entry.dtype, rows, 1.0, 1.0, algo, 0)
-        return self._submit("allgather", name, key, [entry], algorithm=algo)
+        be, arr = self._array(x, "allgather_async", False)
+        rows = (None, *arr.shape[1:])  # None: any number of rows
+        key = ("allgather", be, arr.dtype, rows, algorithm)
+
+        def build() -> Spec:
+            check_dtype(arr.dtype, rank=self.rank)
+            algo = self._check_algorithm("allgather", algorithm, be, arr.dtype)
+            described = describe(("allgather", None, arr.dtype, rows, 1.0, 1.0, algo, 0))
+            return Spec("allgather", described, be, arr.dtype, rows, algorithm=algo)
+
+        spec = self._specs.get(key) or self._new_spec(key, build)
+        return self._submit("allgather", name, spec, arr, None)
 
     def broadcast(self, x: Any, root: int, name: str | None, algorithm: str | None,
                   inplace: bool) -> Handle:
         """Queue a broadcast of the root's ``x`` (into ``x`` itself if ``inplace``)."""
-        self.comm._check_root(root)
-        entry = self._entry(x, "broadcast_async_" if inplace else "broadcast_async", inplace,
-                            None)
-        algo = self._check_algorithm("broadcast", algorithm, entry)
-        key = ("broadcast", None, entry.dtype, entry.array.shape, 1.0, 1.0, algo, int(root))
-        return self._submit("broadcast", name, key, [entry], algorithm=algo, root=int(root),
-                            inplace=inplace)
+        what = "broadcast_async_" if inplace else "broadcast_async"
+        be, arr = self._array(x, what, inplace)
+        key = ("broadcast", be, arr.dtype, arr.shape, root, algorithm, inplace)
+
+        def build() -> Spec:
+            self.comm._check_root(root)
+            check_dtype(arr.dtype, rank=self.rank)
+            algo = self._check_algorithm("broadcast", algorithm, be, arr.dtype)
+            described = describe(("broadcast", None, arr.dtype, arr.shape, 1.0, 1.0, algo,
+                                  int(root)))
+            return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
+                        root=int(root), inplace=inplace)
+
+        spec = self._specs.get(key) or self._new_spec(key, build)
+        if inplace and not be.is_writeable(arr):
+            self.comm._check_writeable(be, arr, what)  # raises
+        return self._submit("broadcast", name, spec, arr, x if inplace else None)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
                        postscale: float, algorithm: str | None) -> Handle:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
-        rop = op if isinstance(op, ReduceOp) else parse_op(op)
-        entry = self._entry(x, "reduce_scatter_async", False, rop)
-        if entry.array.ndim == 0:
-            raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "
-                                "0-d array; pass x.reshape(1) or a larger array")
-        algo = self._check_algorithm("reduce_scatter", algorithm, entry)
-        key = ("reduce_scatter", rop.value, entry.dtype, entry.array.shape, prescale, postscale,
-               algo, 0)
-        return self._submit("reduce_scatter", name, key, [entry], op=rop, prescale=prescale,
-                            postscale=postscale, algorithm=algo)
+        be, arr = self._array(x, "reduce_scatter_async", False)
+        key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm)
+        spec = self._specs.get(key)
+        if spec is None:
+            if arr.ndim == 0:
+                raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got "
+                                    "a 0-d array; pass x.reshape(1) or a larger array")
+            spec = self._new_spec(key, lambda: self._reduction_spec(
+                "reduce_scatter", be, arr, op, prescale, postscale, algorithm, False))
+        return self._submit("reduce_scatter", name, spec, arr, None)
 
-    def _entry(self, x: Any, what: str, inplace: bool, op: ReduceOp | None) -> Entry:
+    def _array(self, x: Any, what: str, inplace: bool) -> tuple[ArrayBackend, Any]:
+        """The backend of ``x`` and ``x`` as its array (one that writes through to ``x``
+        for in-place calls)."""
         be, arr = backend_and_array(x)
-        if inplace:
-            if arr is not x and not isinstance(x, type(arr)):
-                raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
-                                    f"got {type(x).__name__}; use the out-of-place variant")
-            if not be.is_writeable(arr):
-                self.comm._check_writeable(be, arr, what)  # raises with the usual message
-        checked = (arr.dtype, op and op._value_)
-        if checked not in self._checked:  # a dtype/op pair is checked once
-            if op is None:
-                check_dtype(arr.dtype, rank=self.rank)
-            else:
-                self.comm._check_reducible(arr, op)
-            self._checked.add(checked)
-        return Entry(arr, be, arr.dtype, x if inplace else None)
+        if inplace and arr is not x and not isinstance(x, type(arr)):
+            raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
+                                f"got {type(x).__name__}; use the out-of-place variant")
+        return be, arr
 
-    def _check_algorithm(self, collective: str, algorithm: str | None,
-                         *entries: Entry) -> str | None:
+    def _new_spec(self, key: tuple[Any, ...], build: Callable[[], Spec]) -> Spec:
+        """Build (checking the arguments: misuse raises here) and keep the spec of ``key``."""
+        spec = build()
+        if len(self._specs) >= _SPEC_CACHE_SIZE:
+            self._specs.clear()
+        self._specs[key] = spec
+        return spec
+
+    def _reduction_spec(self, kind: str, be: ArrayBackend, arr: Any, op: ReduceOp | str,
+                        prescale: float, postscale: float, algorithm: str | None,
+                        inplace: bool) -> Spec:
+        """The checked spec of an allreduce or reduce-scatter of arrays like ``arr``."""
+        rop = parse_op(op)
+        self.comm._check_reducible(arr, rop)
+        pre, post = self._factors(prescale, postscale)
+        algo = self._check_algorithm(kind, algorithm, be, arr.dtype)
+        described = describe((kind, rop.value, arr.dtype, arr.shape, pre, post, algo, 0))
+        fusion = fusion_key(be.name, arr.dtype, rop.value, pre, post, algo) \
+            if kind == "allreduce" else ""
+        return Spec(kind, described, be, arr.dtype, arr.shape, rop, pre, post, algo,
+                    inplace=inplace, fusion=fusion)
+
+    def _group_spec(self, entries: list[Entry], op: ReduceOp | str, prescale: float,
+                    postscale: float, algorithm: str | None, inplace: bool) -> Spec:
+        """The checked spec of a grouped allreduce of arrays like ``entries``'."""
+        rop = parse_op(op)
+        for entry in entries:
+            self.comm._check_reducible(entry.array, rop)
+        pre, post = self._factors(prescale, postscale)
+        algo = None
+        if entries:
+            algo = self._check_algorithm("allreduce", algorithm, entries[0].backend,
+                                         entries[0].dtype)
+        arrays = tuple((e.dtype, e.array.shape) for e in entries)
+        described = describe(("grouped_allreduce", rop.value, None, arrays, pre, post, algo, 0))
+        first = entries[0] if entries else None
+        return Spec("allreduce", described, first.backend if first else NUMPY,
+                    first.dtype if first else None, None, rop, pre, post, algo,
+                    inplace=inplace, grouped=True)
+
+    def _factors(self, prescale: float, postscale: float) -> tuple[float, float]:
+        """The scaling factors as floats (so that ``1`` and ``1.0`` describe alike)."""
+        try:
+            return float(prescale), float(postscale)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"rank {self.rank}: prescale_factor and postscale_factor must "
+                                f"be numbers, got {prescale!r} and {postscale!r}") from None
+
+    def _check_algorithm(self, collective: str, algorithm: str | None, backend: ArrayBackend,
+                         dtype: np.dtype[Any]) -> str | None:
         """The requested algorithm, checked; ``None`` (``MPITRAIN_ALGORITHM``, read when
         the collective runs) if none was requested."""
         if algorithm is None:
             return None
         name = algorithm.lower()
-        if name != "auto" and entries:
-            self.comm._algorithm(collective, name, 0, entries[0].backend, entries[0].dtype)
+        if name != "auto":
+            self.comm._algorithm(collective, name, 0, backend, dtype)
         return name
 
-    def _signature(self, cached: tuple[tuple[Any, ...], str]) -> tuple[str, str]:
-        """The signature text of a key and the fusion key of its arrays (``cached`` is
-        the key and the arrays' backend), built once per distinct key and kept (the
-        fusion key is a string, so looking it up costs no hashing)."""
-        if len(self._signatures) >= _SIGNATURE_CACHE_SIZE:
-            self._signatures.clear()
-        key, backend = cached
-        _, op, dtype, _, prescale, postscale, algorithm, _ = key
-        fusion = fusion_key(backend, dtype, op, prescale, postscale, algorithm)
-        known = self._signatures[cached] = (describe(key), fusion)
-        return known
-
-    def _submit(self, kind: str, name: str | None, key: tuple[Any, ...], entries: list[Entry],
-                op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
-                algorithm: str | None = None, root: int = 0, inplace: bool = False,
-                grouped: bool = False) -> Handle:
-        cached = (key, entries[0].backend.name if entries else "")
-        known = self._signatures.get(cached)
-        signature, fusion = known if known is not None else self._signature(cached)
+    def _submit(self, what: str, name: str | None, spec: Spec, array: Any, output: Any,
+                entries: list[Entry] | None = None) -> Handle:
         with self._lock:
             if self._closed is not None:
                 self._check_open()
             if name is None:  # generated names are unique: never tracked
                 given = False
-                number = self._counters.get(kind, 0)
-                self._counters[kind] = number + 1
-                name = f"{kind}.noname.{number}"
+                name = f"{what}.noname.{next(self._counters[what])}"
             else:
                 given = True
                 if not isinstance(name, str) or not name:
@@ -260,16 +316,16 @@ class Engine:
                         "flight; wait for its handle before submitting that name again, or "
                         "give this one another name")
             # Only a given name is tracked, so only its handle has one to release.
-            handle = Request(name, "allreduce" if grouped else kind, signature, entries, op,
-                             prescale, postscale, algorithm, root, inplace, grouped, fusion,
-                             given, self._waiters, self._release_name if given else None)
-            if not entries:  # an empty group: nothing to agree on or to move
+            handle = Request(name, spec, array, output, self._waiters, given,
+                             self._release_name if given else None, entries)
+            if entries is not None and not entries:  # an empty group: nothing to move
                 handle.complete()
                 return handle
             if given:
                 self._in_flight.add(name)
             self._incoming.append(handle)
-            self._wake()  # one wake-up per sleep, not one per submission
+            if self._idle:  # one wake-up per sleep, not one per submission
+                self._wake()
         return handle
 
     def _check_open(self) -> None:
@@ -382,7 +438,7 @@ class Engine:
         """Run one cycle; True if anything moved (on any rank)."""
         self.stats.cycles += 1
         self._running = incoming  # before the exchange, so that _abort sees them if it fails
-        agreement = self._negotiator.exchange([(r.name, r.signature) for r in incoming],
+        agreement = self._negotiator.exchange([(r.name, r.spec.signature) for r in incoming],
                                               [r.given for r in incoming], stopping,
                                               config.FUSION_THRESHOLD.get())
         agreed_at = time.perf_counter()
@@ -462,6 +518,7 @@ class Engine:
         now = time.perf_counter()
         for request in requests:
             request.complete(now)
+        self._waiters.notify()
 
     def _abort(self, exc: BaseException) -> None:
         self._finished = True

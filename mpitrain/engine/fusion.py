@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .request import Entry, Request
+from .request import Request, Spec
 
 if TYPE_CHECKING:
     from ..comm.communicator import Communicator
@@ -36,15 +36,24 @@ class Bucket:
     """Entries that run as one collective.
 
     Attributes:
-        items: ``(request, entry)`` pairs, in packing order.
+        items: ``(request, entry)`` pairs, in packing order (a request of one array is
+            its own entry).
         nbytes: their total size.
+        spec: the :class:`~.request.Spec` of every item, if every item is a request of
+            one array of that spec (their arrays then have equal shapes), else ``None``.
     """
 
-    items: list[tuple[Request, Entry]] = field(default_factory=list)
+    items: list[tuple[Request, Any]] = field(default_factory=list)
     nbytes: int = 0
+    spec: Spec | None = None
 
-    def add(self, request: Request, entry: Entry) -> None:
-        """Append one entry."""
+    def add(self, request: Request, entry: Any) -> None:
+        """Append one entry (``request`` itself for a request of one array)."""
+        spec = request.spec if entry is request else None
+        if not self.items:
+            self.spec = spec
+        elif self.spec is not spec:
+            self.spec = None
         self.items.append((request, entry))
         self.nbytes += entry.nbytes
 
@@ -57,36 +66,38 @@ class Bucket:
 def fusion_key(backend: str, dtype: Any, op: str | None, prescale: float, postscale: float,
                algorithm: str | None) -> str:
     """Arrays with equal keys may be reduced together in one buffer (a string, so that
-    the engine builds it once per signature and looks it up without hashing)."""
+    the engine builds it once per spec and looks it up without hashing)."""
     return f"{backend} {dtype} {op} {prescale!r} {postscale!r} {algorithm}"
 
 
 def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
     """Cut agreed ``requests`` into buckets of at most ``threshold`` bytes (see module doc)."""
+    if requests:
+        # The common cycle: small allreduces of one spec (equal shapes) that fit one
+        # bucket together, which is what the loop below would make of them.
+        spec, nbytes = requests[0].spec, requests[0].nbytes
+        if spec.fusion and nbytes * len(requests) <= threshold and nbytes < threshold \
+                and all(r.spec is spec for r in requests):
+            return [Bucket([(r, r) for r in requests], nbytes * len(requests), spec)]
     buckets: list[Bucket] = []
     filling: dict[str, Bucket] = {}
     for request in requests:
-        if request.kind != "allreduce":
-            buckets.extend(Bucket([(request, entry)], entry.nbytes) for entry in request.entries)
-        elif request.grouped:
+        spec = request.spec
+        if spec.fusion and request.nbytes < threshold:  # a small allreduce of one array
+            bucket = filling.get(spec.fusion)
+            if bucket is None or bucket.nbytes + request.nbytes > threshold:
+                bucket = filling[spec.fusion] = Bucket()
+                buckets.append(bucket)
+            bucket.add(request, request)
+        elif spec.grouped:
             groups: dict[str, Bucket] = {}
-            for entry in request.entries:
-                key = fusion_key(entry.backend.name, entry.dtype, request.op.value,
-                                 request.prescale, request.postscale, request.algorithm)
+            for entry in request.parts():
+                key = fusion_key(entry.backend.name, entry.dtype, spec.op.value,
+                                 spec.prescale, spec.postscale, spec.algorithm)
                 groups.setdefault(key, Bucket()).add(request, entry)
             buckets.extend(groups.values())
         else:
-            entry = request.entries[0]
-            nbytes = entry.nbytes
-            if nbytes >= threshold:
-                buckets.append(Bucket([(request, entry)], nbytes))
-                continue
-            bucket = filling.get(request.fusion)
-            if bucket is None or bucket.nbytes + nbytes > threshold:
-                bucket = filling[request.fusion] = Bucket()
-                buckets.append(bucket)
-            bucket.items.append((request, entry))
-            bucket.nbytes += nbytes
+            buckets.append(Bucket([(request, request)], request.nbytes, spec))
     return buckets
 
 
@@ -105,24 +116,25 @@ class BucketRunner:
         if len(bucket.items) > 1:
             return self._fused(bucket)
         request, entry = bucket.items[0]
+        spec = request.spec
         start = _begin(bucket)
         c, a = self.comm, entry.array
-        if request.kind == "allreduce":
-            args = (request.op, request.algorithm, request.prescale, request.postscale)
-            if request.inplace:
+        if spec.kind == "allreduce":
+            args = (spec.op, spec.algorithm, spec.prescale, spec.postscale)
+            if spec.inplace:
                 c.allreduce_(a, *args)
             else:
                 entry.output = c.allreduce(a, *args)
-        elif request.kind == "reduce_scatter":
-            entry.output = c.reduce_scatter(a, request.op, request.algorithm, request.prescale,
-                                            request.postscale)
-        elif request.kind == "allgather":
-            entry.output = c.allgather(a, request.algorithm)
-        elif request.inplace:
-            c.broadcast_(a, request.root, request.algorithm)
+        elif spec.kind == "reduce_scatter":
+            entry.output = c.reduce_scatter(a, spec.op, spec.algorithm, spec.prescale,
+                                            spec.postscale)
+        elif spec.kind == "allgather":
+            entry.output = c.allgather(a, spec.algorithm)
+        elif spec.inplace:
+            c.broadcast_(a, spec.root, spec.algorithm)
         else:
-            entry.output = c.broadcast(a, request.root, request.algorithm)
-        return [(self._collective_name(request), start, time.perf_counter())]
+            entry.output = c.broadcast(a, spec.root, spec.algorithm)
+        return [(self._collective_name(spec), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
         """Pack into a new buffer, reduce it in place, hand out the results.
@@ -132,23 +144,23 @@ class BucketRunner:
         caller's arrays.
         """
         items = bucket.items
-        request, first = items[0]
-        be = first.backend
+        spec = items[0][0].spec
+        be = items[0][1].backend
         packing = time.perf_counter()
         buf = be.concatenate([entry.array for _, entry in items])
         start = _begin(bucket)
-        self.comm.allreduce_(buf, request.op, request.algorithm, request.prescale,
-                             request.postscale)
+        self.comm.allreduce_(buf, spec.op, spec.algorithm, spec.prescale, spec.postscale)
         unpacking = time.perf_counter()
-        count = first.count
-        if all(e.count == count and e.array.ndim == 1 for _, e in items):
-            # equal 1-D pieces (the common case of many small tensors): the rows of one
-            # reshape are their views
-            copy_into = be.copy_into
-            for (req, entry), row in zip(items, buf.reshape(len(items), count)):
-                if req.inplace:
-                    copy_into(entry.array, row)
-                else:
+        same = bucket.spec
+        shape = same.shape if same is not None else None
+        if same is not None and shape is not None and len(shape) == 1:
+            # equal 1-D pieces of one spec (the common case of many small tensors): the
+            # rows of one reshape are their results
+            rows = buf.reshape(len(items), shape[0])
+            if same.inplace:
+                be.scatter([entry.array for _, entry in items], rows)
+            else:
+                for (_, entry), row in zip(items, rows):
                     entry.output = row
         else:
             offset = 0
@@ -157,16 +169,16 @@ class BucketRunner:
                 piece = buf[offset:end]
                 if entry.array.ndim != 1:
                     piece = piece.reshape(entry.array.shape)
-                if req.inplace:
+                if req.spec.inplace:
                     be.copy_into(entry.array, piece)
                 else:
                     entry.output = piece
                 offset = end
-        return [("PACK", packing, start), (self._collective_name(request), start, unpacking),
+        return [("PACK", packing, start), (self._collective_name(spec), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
 
-    def _collective_name(self, request: Request) -> str:
-        return f"{request.kind.upper()}({self.comm.last_algorithm})"
+    def _collective_name(self, spec: Spec) -> str:
+        return f"{spec.kind.upper()}({self.comm.last_algorithm})"
 
 
 def _begin(bucket: Bucket) -> float:

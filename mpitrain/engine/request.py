@@ -1,9 +1,16 @@
-"""What the engine queues: a :class:`Request` (one named operation) of :class:`Entry`
-arrays, and the :class:`Handle` the caller waits on.
+"""What the engine queues: a :class:`Request` (one named submission of a :class:`Spec`),
+the :class:`Entry` arrays of a grouped request, and the :class:`Handle` the caller
+waits on.
 
-A request is created and checked on the caller's thread, then owned by the engine
-until it finishes; it is itself the handle the caller holds (a subclass), so one
-object per submission holds the arrays until then, and the result afterwards.
+A :class:`Spec` is everything that is the same for every submission with the same
+arguments (kind, op, dtype, shape, scaling, algorithm, root): it is checked and
+described once and then shared, so a submission only adds its name and its arrays.
+A request is created on the caller's thread, then owned by the engine until it
+finishes; it is itself the handle the caller holds (a subclass), so one object per
+submission holds the arrays until then, and the result afterwards. A request of one
+array is also the entry that the fusion buckets pack (``array``, ``output``,
+``count``, ``nbytes``, ``backend``); a grouped request has one :class:`Entry` per
+array.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from ..ops import ReduceOp
 
 
 class Waiters:
-    """How many callers are blocked in :meth:`Handle.wait` on one engine's handles,
-    and what a blocked caller may do meanwhile.
+    """The callers blocked in :meth:`Handle.wait` on one engine's handles: how many
+    there are, what one may do before it blocks, and the condition they block on.
 
     Args:
         helper: called with the handle by a caller about to block on it (the engine
@@ -30,12 +37,27 @@ class Waiters:
     def __init__(self, helper: Callable[[Handle], None] | None = None) -> None:
         self.blocked = 0
         self.helper = helper
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
-    def add(self, n: int) -> None:
-        """Count ``n`` more (or fewer) blocked callers."""
-        with self._lock:
-            self.blocked += n
+    def wait(self, handle: Handle) -> None:
+        """Block until ``handle`` is done, counted as a blocked caller meanwhile."""
+        cond = self._cond
+        with cond:
+            self.blocked += 1
+        try:
+            if self.helper is not None:
+                self.helper(handle)
+            with cond:
+                while not handle._done:
+                    cond.wait()
+        finally:
+            with cond:
+                self.blocked -= 1
+
+    def notify(self) -> None:
+        """Wake the blocked callers: handles have become done (call after setting them)."""
+        with self._cond:
+            self._cond.notify_all()
 
 
 class Handle:
@@ -55,16 +77,15 @@ class Handle:
         error: why the operation failed (what ``wait()`` raises), else ``None``.
     """
 
-    __slots__ = ("_done", "_release", "_result", "_unfinished", "_waiters", "error",
-                 "finished_at", "name", "started_at", "submitted_at")
+    __slots__ = ("_done", "_release", "_result", "_waiters", "error", "finished_at", "name",
+                 "started_at", "submitted_at")
     name: str
     submitted_at: float
     started_at: float | None
     finished_at: float | None
-    _waiters: Waiters | None
+    _waiters: Waiters
     _release: Callable[[str], None] | None  # frees the name once the caller saw the result
     _done: bool
-    _unfinished: threading.Lock  # held from creation until the result is set
     _result: Any
     error: BaseException | None
 
@@ -75,18 +96,9 @@ class Handle:
         on every rank, as often as it is called.
         """
         if not self._done:
-            waiters = self._waiters
-            if waiters is not None:
-                waiters.add(1)
-            try:
-                if waiters is not None and waiters.helper is not None:
-                    waiters.helper(self)
-                with self._unfinished:
-                    pass
-            finally:
-                if waiters is not None:
-                    waiters.add(-1)
-        self._observed()
+            self._waiters.wait(self)
+        if self._release is not None:
+            self._observed()
         if self.error is not None:
             raise self.error
         return self._result
@@ -114,8 +126,41 @@ class Handle:
         return f"<mpitrain.Handle {self.name!r} {state}>"
 
 
+class Spec:
+    """What every rank's submission of a name must agree on, and how it runs.
+
+    One spec serves every submission with the same arguments (the engine keeps them
+    by those arguments), so its checks and texts are made once.
+
+    Attributes:
+        kind: ``allreduce`` (grouped ones too), ``allgather``, ``broadcast`` or
+            ``reduce_scatter``.
+        signature: the agreed text (kind, op, dtype, shape, scaling, algorithm, root);
+            it doubles as the error message when ranks disagree.
+        fusion: allreduces of one array with equal fusion keys may share a buffer
+            (``""`` for everything else).
+        backend: the array library of the (first) array.
+        dtype: its element type (``None`` for an empty group).
+        shape: its shape (``None`` for a group; rows ``None`` for an allgather).
+        op, prescale, postscale, algorithm, root, inplace, grouped: the arguments.
+    """
+
+    __slots__ = ("algorithm", "backend", "dtype", "fusion", "grouped", "inplace", "kind", "op",
+                 "postscale", "prescale", "root", "shape", "signature")
+
+    def __init__(self, kind: str, signature: str, backend: ArrayBackend,
+                 dtype: np.dtype[Any] | None, shape: tuple[int | None, ...] | None,
+                 op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
+                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
+                 grouped: bool = False, fusion: str = "") -> None:
+        self.kind, self.signature, self.backend, self.dtype = kind, signature, backend, dtype
+        self.shape, self.op, self.prescale, self.postscale = shape, op, prescale, postscale
+        self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
+        self.fusion = fusion
+
+
 class Entry:
-    """One array of a request.
+    """One array of a grouped request.
 
     Attributes:
         array: the caller's array: the input, and the output of an in-place operation.
@@ -136,25 +181,21 @@ class Entry:
 
 
 class Request(Handle):
-    """One named operation: what every rank must submit under ``name``.
+    """One named submission of a :class:`Spec`: what every rank must submit under
+    ``name``.
 
     The engine's record of the operation is also the :class:`Handle` the caller waits
     on (one object per submission); it holds the arrays until the operation is done.
-    ``signature`` is the text every rank's submission of ``name`` must agree on (kind,
-    op, dtype, shape, scaling, algorithm, root); it doubles as the error message when
-    ranks disagree. A grouped allreduce is one request of several entries.
+    A request of one array (``array``; ``entries`` is ``None``) is its own entry; a
+    grouped request has ``entries``, one per array.
     """
 
-    __slots__ = ("agreed_at", "algorithm", "entries", "fusion", "given", "grouped",
-                 "inplace", "kind", "op", "postscale", "prescale", "root", "signature",
+    __slots__ = ("agreed_at", "array", "count", "entries", "given", "nbytes", "output", "spec",
                  "unfinished")
 
-    def __init__(self, name: str, kind: str, signature: str, entries: list[Entry],
-                 op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
-                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
-                 grouped: bool = False, fusion: str = "", given: bool = True,
-                 waiters: Waiters | None = None,
-                 release: Callable[[str], None] | None = None) -> None:
+    def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
+                 given: bool = True, release: Callable[[str], None] | None = None,
+                 entries: list[Entry] | None = None) -> None:
         # the handle's part
         self.name = name
         self._waiters = waiters
@@ -163,27 +204,38 @@ class Request(Handle):
         self.started_at = None
         self.finished_at = None
         self._done = False
-        self._unfinished = lock = threading.Lock()
-        lock.acquire()
         self._result = None
         self.error = None
         # the operation's part
-        self.kind, self.signature, self.entries = kind, signature, entries
-        self.op, self.prescale, self.postscale = op, prescale, postscale
-        self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
-        self.fusion = fusion  # allreduces with equal fusion keys may share a buffer
-        self.given = given  # the caller named it (a generated name never repeats)
+        self.spec, self.given, self.entries = spec, given, entries
+        self.array, self.output = array, output
+        if entries is None:
+            self.count = array.size
+            self.nbytes = array.nbytes
+            self.unfinished = 1  # entries whose bucket has not run yet
+        else:
+            self.count = self.nbytes = 0
+            self.unfinished = len(entries)
         self.agreed_at = 0.0  # when every rank had submitted it
-        self.unfinished = len(entries)  # entries whose bucket has not run yet
+
+    @property
+    def backend(self) -> ArrayBackend:
+        """The array library of the request's (first) array."""
+        return self.spec.backend
+
+    def parts(self) -> list[Any]:
+        """The entries to move: the request itself, or the entries of a group."""
+        return [self] if self.entries is None else self.entries
 
     def complete(self, now: float | None = None) -> None:
-        """Hand the caller the result (the output, or the list of outputs of a group),
-        or the ``error`` if one was set, and wake its ``wait()``. The arrays are let go;
-        the result is kept."""
+        """Mark the request done with its result (the output, or the list of outputs of
+        a group), or with the ``error`` if one was set. The arrays are let go; the
+        result is kept. The caller of this wakes blocked waiters
+        (:meth:`Waiters.notify`)."""
         if self.error is None:
             entries = self.entries
-            self._result = [e.output for e in entries] if self.grouped else entries[0].output
+            self._result = self.output if entries is None else [e.output for e in entries]
         self.finished_at = time.perf_counter() if now is None else now
-        self.entries = []
+        self.entries = None
+        self.array = self.output = None
         self._done = True
-        self._unfinished.release()

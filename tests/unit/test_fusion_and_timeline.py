@@ -12,17 +12,22 @@ import mpitrain as mt
 from benchmarks import harness
 from mpitrain import config
 from mpitrain.backends import NUMPY
-from mpitrain.engine.fusion import fusion_key, plan_buckets
-from mpitrain.engine.request import Entry, Request
+from mpitrain.engine.fusion import BucketRunner, fusion_key, plan_buckets
+from mpitrain.engine.request import Entry, Request, Spec, Waiters
 from mpitrain.timeline import Timeline
 
 
 def request(name: str, *arrays: Any, kind: str = "allreduce", op: mt.ReduceOp = mt.Sum,
             grouped: bool = False, algorithm: str = "auto") -> Request:
-    entries = [Entry(a, NUMPY, a.dtype) for a in arrays]
-    key = fusion_key("numpy", arrays[0].dtype, op.value, 1.0, 1.0, algorithm)
-    return Request(name, kind, "sig", entries, op=op, grouped=grouped, algorithm=algorithm,
-                   fusion=key)
+    dtype = arrays[0].dtype
+    key = fusion_key("numpy", dtype, op.value, 1.0, 1.0, algorithm) \
+        if kind == "allreduce" and not grouped else ""
+    spec = Spec(kind, "sig", NUMPY, dtype, None if grouped else arrays[0].shape, op=op,
+                algorithm=algorithm, grouped=grouped, fusion=key)
+    if grouped:
+        return Request(name, spec, None, None, Waiters(),
+                       entries=[Entry(a, NUMPY, a.dtype) for a in arrays])
+    return Request(name, spec, arrays[0], None, Waiters())
 
 
 def names(buckets: list[Any]) -> list[list[str]]:
@@ -54,6 +59,62 @@ def test_groups_stay_together_whatever_their_size() -> None:
                     np.zeros(1000, np.float32), grouped=True)
     buckets = plan_buckets([request("x", np.zeros(2, np.float32)), group], 16)
     assert [[e.count for _, e in b.items] for b in buckets] == [[2], [1000, 1000], [3]]
+
+
+def shared_spec_requests(n: int, count: int = 256, inplace: bool = False) -> list[Request]:
+    """``n`` submissions of one spec, as the engine makes them for equal arrays."""
+    dtype = np.dtype(np.float32)
+    spec = Spec("allreduce", "sig", NUMPY, dtype, (count,), fusion=fusion_key(
+        "numpy", dtype, "sum", 1.0, 1.0, None), inplace=inplace)
+    return [Request(f"t{i}", spec, np.full(count, i, dtype), None, Waiters())
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("threshold, expected", [
+    (64 << 20, [5]), (5 * 1024, [5]), (5 * 1024 - 1, [4, 1]), (2048, [2, 2, 1]),
+    (1024, [1, 1, 1, 1, 1]), (1023, [1, 1, 1, 1, 1]), (0, [1, 1, 1, 1, 1])])
+def test_requests_of_one_spec_fill_buckets_like_any_others(threshold: int,
+                                                           expected: list[int]) -> None:
+    reqs = shared_spec_requests(5)  # 1 KiB each
+    buckets = plan_buckets(reqs, threshold)
+    assert [len(b.items) for b in buckets] == expected
+    assert [r for b in buckets for r, _ in b.items] == reqs  # in order, each once
+    assert all(e is r for b in buckets for r, e in b.items)  # a request is its own entry
+    assert all(b.spec is reqs[0].spec and b.nbytes == 1024 * len(b.items) for b in buckets)
+
+
+def test_bucket_spec_is_kept_only_when_every_item_shares_it() -> None:
+    same = shared_spec_requests(3)
+    other = request("other", np.zeros(256, np.float32))  # same fusion key, another spec
+    other.spec.fusion = same[0].spec.fusion
+    mixed = plan_buckets([*same[:2], other, same[2]], 64 << 20)
+    assert len(mixed) == 1 and mixed[0].spec is None
+    group = request("grp", np.zeros(4, np.float32), np.zeros(4, np.float32), grouped=True)
+    assert plan_buckets([group], 64 << 20)[0].spec is None  # entries of a group: no spec
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_bucket_hands_each_request_its_own_piece(inplace: bool) -> None:
+    class Doubling:  # a stand-in communicator: the "reduction" doubles the buffer
+        last_algorithm = "test"
+
+        def allreduce_(self, buf: Any, *args: Any) -> None:
+            buf *= 2
+
+    reqs = shared_spec_requests(4, count=3, inplace=inplace)
+    arrays = [r.array for r in reqs]
+    if inplace:
+        for r in reqs:
+            r.output = r.array
+    for general in (False, True):  # the rows of one reshape, and the offsets path
+        bucket = plan_buckets(reqs, 64 << 20)[0]
+        if general:
+            bucket.spec = None
+        BucketRunner(Doubling()).run(bucket)  # type: ignore[arg-type]
+        for i, r in enumerate(reqs):
+            assert np.array_equal(r.output, np.full(3, i * (4 if inplace and general else 2)))
+            assert (r.output is arrays[i]) == inplace
+            assert r.started_at is not None
 
 
 def test_timeline_file_is_valid_json_after_every_flush(tmp_path: Any) -> None:
