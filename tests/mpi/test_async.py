@@ -364,6 +364,23 @@ def test_local_misuse_raises_at_submission(comm: mt.Communicator) -> None:
         comm.allreduce_async_([1.0, 2.0])
     with pytest.raises(ValueError, match="a list of arrays"):
         comm.grouped_allreduce(x)
+    with pytest.raises(ValueError, match="must be numbers"):
+        comm.allreduce_async(x, prescale_factor="half")  # type: ignore[arg-type]
+    # The checks of a call's arguments are made once and kept; what belongs to the
+    # array itself is checked on every call, and a refused call keeps nothing.
+    w = np.ones(4, np.float32)
+    comm.allreduce_async_(w).wait()  # same dtype and shape as ro: the spec is kept
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce_async_(ro)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.broadcast_async_(ro)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unknown reduction op"):
+            comm.allreduce_async(x, op="median")
+    # 1 and 1.0 are the same factor: ranks that spell it differently agree
+    one = 1 if comm.rank == 0 else 1.0
+    assert_equal_all_ranks(comm, comm.allreduce_async(x, prescale_factor=one).wait(),
+                           x * comm.size, "prescale 1 / 1.0")
     assert_equal_all_ranks(comm, mt.allreduce_async(x).wait(), x * comm.size, "still usable")
 
 
