@@ -36,6 +36,7 @@ what all ranks submitted and failing what some rank never submitted.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import threading
 import time
@@ -149,8 +150,9 @@ class Engine:
                                   inplace)
         key = ("allreduce", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm,
                inplace)
-        spec = self._specs.get(key)
-        if spec is None:
+        try:
+            spec = self._specs[key]
+        except (KeyError, TypeError):  # new arguments (or unhashable ones: build says why)
             spec = self._new_spec(key, lambda: self._reduction_spec(
                 "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
         if inplace and not be.is_writeable(arr):
@@ -173,8 +175,9 @@ class Engine:
             entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
         arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
         key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
-        spec = self._specs.get(key)
-        if spec is None:
+        try:
+            spec = self._specs[key]
+        except (KeyError, TypeError):
             spec = self._new_spec(key, lambda: self._group_spec(
                 entries, op, prescale, postscale, algorithm, inplace))
         return self._submit("grouped_allreduce", name, spec, None, None, entries)
@@ -191,7 +194,7 @@ class Engine:
             described = describe(("allgather", None, arr.dtype, rows, 1.0, 1.0, algo, 0))
             return Spec("allgather", described, be, arr.dtype, rows, algorithm=algo)
 
-        spec = self._specs.get(key) or self._new_spec(key, build)
+        spec = self._known_spec(key) or self._new_spec(key, build)
         return self._submit("allgather", name, spec, arr, None)
 
     def broadcast(self, x: Any, root: int, name: str | None, algorithm: str | None,
@@ -210,7 +213,7 @@ class Engine:
             return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
                         root=int(root), inplace=inplace)
 
-        spec = self._specs.get(key) or self._new_spec(key, build)
+        spec = self._known_spec(key) or self._new_spec(key, build)
         if inplace and not be.is_writeable(arr):
             self.comm._check_writeable(be, arr, what)  # raises
         return self._submit("broadcast", name, spec, arr, x if inplace else None)
@@ -220,13 +223,15 @@ class Engine:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
         be, arr = self._array(x, "reduce_scatter_async", False)
         key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm)
-        spec = self._specs.get(key)
-        if spec is None:
+
+        def build() -> Spec:
             if arr.ndim == 0:
                 raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got "
                                     "a 0-d array; pass x.reshape(1) or a larger array")
-            spec = self._new_spec(key, lambda: self._reduction_spec(
-                "reduce_scatter", be, arr, op, prescale, postscale, algorithm, False))
+            return self._reduction_spec("reduce_scatter", be, arr, op, prescale, postscale,
+                                        algorithm, False)
+
+        spec = self._known_spec(key) or self._new_spec(key, build)
         return self._submit("reduce_scatter", name, spec, arr, None)
 
     def _array(self, x: Any, what: str, inplace: bool) -> tuple[ArrayBackend, Any]:
@@ -238,12 +243,20 @@ class Engine:
                                 f"got {type(x).__name__}; use the out-of-place variant")
         return be, arr
 
+    def _known_spec(self, key: tuple[Any, ...]) -> Spec | None:
+        """The spec kept for ``key``, if any (none for unhashable arguments)."""
+        try:
+            return self._specs.get(key)
+        except TypeError:
+            return None
+
     def _new_spec(self, key: tuple[Any, ...], build: Callable[[], Spec]) -> Spec:
         """Build (checking the arguments: misuse raises here) and keep the spec of ``key``."""
         spec = build()
         if len(self._specs) >= _SPEC_CACHE_SIZE:
             self._specs.clear()
-        self._specs[key] = spec
+        with contextlib.suppress(TypeError):  # an unhashable argument that passed: not kept
+            self._specs[key] = spec
         return spec
 
     def _reduction_spec(self, kind: str, be: ArrayBackend, arr: Any, op: ReduceOp | str,
@@ -292,6 +305,9 @@ class Engine:
         the collective runs) if none was requested."""
         if algorithm is None:
             return None
+        if not isinstance(algorithm, str):
+            raise ArgumentError(f"rank {self.rank}: algorithm must be a name (a string) or "
+                                f"None, got {algorithm!r}")
         name = algorithm.lower()
         if name != "auto":
             self.comm._algorithm(collective, name, 0, backend, dtype)

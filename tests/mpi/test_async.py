@@ -366,6 +366,14 @@ def test_local_misuse_raises_at_submission(comm: mt.Communicator) -> None:
         comm.grouped_allreduce(x)
     with pytest.raises(ValueError, match="must be numbers"):
         comm.allreduce_async(x, prescale_factor="half")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be numbers"):  # unhashable arguments too
+        comm.allreduce_async(x, prescale_factor=[2.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        comm.reduce_scatter_async(x, op=["sum"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="algorithm must be a name"):
+        comm.allgather_async(x, algorithm=["ring"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="root="):
+        comm.broadcast_async(x, root=[0])  # type: ignore[arg-type]
     # The checks of a call's arguments are made once and kept; what belongs to the
     # array itself is checked on every call, and a refused call keeps nothing.
     w = np.ones(4, np.float32)
