@@ -477,7 +477,6 @@ class Engine:
                     runnable.append(request)
         if tl is not None:
             for request in ready:
-                request.agreed_at = agreed_at
                 tl.span(self._lane, self._lane_name, request.name, "QUEUE",
                         request.submitted_at, agreed_at)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):

@@ -165,7 +165,7 @@ class BucketRunner:
         else:
             offset = 0
             for req, entry in items:
-                end = offset + entry.count
+                end = offset + entry.array.size
                 piece = buf[offset:end]
                 if entry.array.ndim != 1:
                     piece = piece.reshape(entry.array.shape)

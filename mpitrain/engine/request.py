@@ -9,7 +9,7 @@ A request is created on the caller's thread, then owned by the engine until it
 finishes; it is itself the handle the caller holds (a subclass), so one object per
 submission holds the arrays until then, and the result afterwards. A request of one
 array is also the entry that the fusion buckets pack (``array``, ``output``,
-``count``, ``nbytes``, ``backend``); a grouped request has one :class:`Entry` per
+``nbytes``, ``backend``); a grouped request has one :class:`Entry` per
 array.
 """
 
@@ -167,17 +167,15 @@ class Entry:
         backend: the array library of ``array``.
         dtype: its element type.
         output: the result once computed (the caller's object for in-place operations).
-        count: number of elements.
         nbytes: size in bytes.
     """
 
-    __slots__ = ("array", "backend", "count", "dtype", "nbytes", "output")
+    __slots__ = ("array", "backend", "dtype", "nbytes", "output")
 
     def __init__(self, array: Any, backend: ArrayBackend, dtype: np.dtype[Any],
                  output: Any = None) -> None:
         self.array, self.backend, self.dtype, self.output = array, backend, dtype, output
-        self.count: int = array.size
-        self.nbytes: int = self.count * dtype.itemsize
+        self.nbytes: int = array.size * dtype.itemsize
 
 
 class Request(Handle):
@@ -190,8 +188,7 @@ class Request(Handle):
     grouped request has ``entries``, one per array.
     """
 
-    __slots__ = ("agreed_at", "array", "count", "entries", "given", "nbytes", "output", "spec",
-                 "unfinished")
+    __slots__ = ("array", "entries", "given", "nbytes", "output", "spec", "unfinished")
 
     def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
                  given: bool = True, release: Callable[[str], None] | None = None,
@@ -210,13 +207,11 @@ class Request(Handle):
         self.spec, self.given, self.entries = spec, given, entries
         self.array, self.output = array, output
         if entries is None:
-            self.count = array.size
             self.nbytes = array.nbytes
             self.unfinished = 1  # entries whose bucket has not run yet
         else:
-            self.count = self.nbytes = 0
+            self.nbytes = 0
             self.unfinished = len(entries)
-        self.agreed_at = 0.0  # when every rank had submitted it
 
     @property
     def backend(self) -> ArrayBackend:

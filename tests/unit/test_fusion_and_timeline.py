@@ -58,7 +58,7 @@ def test_groups_stay_together_whatever_their_size() -> None:
     group = request("grp", np.zeros(1000, np.float32), np.zeros(3, np.int8),
                     np.zeros(1000, np.float32), grouped=True)
     buckets = plan_buckets([request("x", np.zeros(2, np.float32)), group], 16)
-    assert [[e.count for _, e in b.items] for b in buckets] == [[2], [1000, 1000], [3]]
+    assert [[e.array.size for _, e in b.items] for b in buckets] == [[2], [1000, 1000], [3]]
 
 
 def shared_spec_requests(n: int, count: int = 256, inplace: bool = False) -> list[Request]:
