@@ -272,6 +272,10 @@ class FakeBackend:
         """Queue ``dst[...] = src``."""
         self._queue(lambda: np.copyto(dst, src))
 
+    def scatter(self, dsts: list[Any], rows: Any) -> None:
+        """Queue the copies of ``rows`` into ``dsts``."""
+        self._queue(lambda: NUMPY.scatter(dsts, rows))
+
     def reduce_into(self, dst: Any, a: Any, b: Any, op: ReduceOp, factor: float = 1.0) -> None:
         """Queue the reduction "kernel"."""
         self._queue(lambda: NUMPY.reduce_into(dst, a, b, op, factor))

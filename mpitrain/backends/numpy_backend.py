@@ -81,8 +81,8 @@ class NumpyBackend:
         np.copyto(dst, src)
 
     def scatter(self, dsts: list[Array], rows: Array) -> None:
-        """``dsts[i][...] = rows[i]`` (item assignment: a third cheaper per call than
-        ``np.copyto``, and the dtypes are equal, so no cast happens)."""
+        """``dsts[i][...] = rows[i]`` (item assignment, cheaper per call than
+        ``np.copyto``; the dtypes are equal, so no cast happens)."""
         for dst, row in zip(dsts, rows):
             dst[...] = row
 

@@ -155,7 +155,7 @@ class Engine:
         except (KeyError, TypeError):  # new arguments (or unhashable ones: build says why)
             spec = self._new_spec(key, lambda: self._reduction_spec(
                 "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
-        if inplace and not be.is_writeable(arr):
+        if inplace and not be.is_writeable(arr):  # tested here first: no call per submission
             self.comm._check_writeable(be, arr, "allreduce_async_")  # raises
         return self._submit("allreduce", name, spec, arr, x if inplace else None)
 
@@ -170,16 +170,13 @@ class Engine:
         entries = []
         for x in xs:
             be, arr = self._array(x, what, inplace)
-            if inplace and not be.is_writeable(arr):
-                self.comm._check_writeable(be, arr, what)  # raises
+            if inplace:
+                self.comm._check_writeable(be, arr, what)
             entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
         arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
         key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
-        try:
-            spec = self._specs[key]
-        except (KeyError, TypeError):
-            spec = self._new_spec(key, lambda: self._group_spec(
-                entries, op, prescale, postscale, algorithm, inplace))
+        spec = self._known_spec(key) or self._new_spec(key, lambda: self._group_spec(
+            entries, op, prescale, postscale, algorithm, inplace))
         return self._submit("grouped_allreduce", name, spec, None, None, entries)
 
     def allgather(self, x: Any, name: str | None, algorithm: str | None) -> Handle:
@@ -214,8 +211,8 @@ class Engine:
                         root=int(root), inplace=inplace)
 
         spec = self._known_spec(key) or self._new_spec(key, build)
-        if inplace and not be.is_writeable(arr):
-            self.comm._check_writeable(be, arr, what)  # raises
+        if inplace:
+            self.comm._check_writeable(be, arr, what)
         return self._submit("broadcast", name, spec, arr, x if inplace else None)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,

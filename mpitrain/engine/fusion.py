@@ -91,7 +91,7 @@ def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
             bucket.add(request, request)
         elif spec.grouped:
             groups: dict[str, Bucket] = {}
-            for entry in request.parts():
+            for entry in request.entries or ():
                 key = fusion_key(entry.backend.name, entry.dtype, spec.op.value,
                                  spec.prescale, spec.postscale, spec.algorithm)
                 groups.setdefault(key, Bucket()).add(request, entry)

@@ -218,10 +218,6 @@ class Request(Handle):
         """The array library of the request's (first) array."""
         return self.spec.backend
 
-    def parts(self) -> list[Any]:
-        """The entries to move: the request itself, or the entries of a group."""
-        return [self] if self.entries is None else self.entries
-
     def complete(self, now: float | None = None) -> None:
         """Mark the request done with its result (the output, or the list of outputs of
         a group), or with the ``error`` if one was set. The arrays are let go; the

@@ -126,6 +126,27 @@ def test_allgather_and_broadcast(comm: mt.Communicator, policy: str, algorithm: 
             assert_equal_all_ranks(comm, host(b), want, "broadcast_")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_async_allreduce(comm: mt.Communicator, policy: str, inplace: bool) -> None:
+    """Device arrays through the engine's fusion buffer: equal pieces (the rows of one
+    reshape) and pieces of different shapes (offsets), out of place and in place."""
+    with fake_backend(seed(comm, policy, "fused", inplace)) as fake:
+        for counts_ in ([16] * 40, [16, 3, 40, 7] * 10):
+            before = comm.async_stats()
+            xs = [to_device(crafted(comm.rank + i, n, "float32", mt.Sum))
+                  for i, n in enumerate(counts_)]
+            start = comm.allreduce_async_ if inplace else comm.allreduce_async
+            results = [h.wait() for h in [start(x) for x in xs]]
+            fake.synchronize()  # a consumer on the caller's stream sees the unpacking done
+            fused = comm.async_stats().fused - before.fused
+            assert_all_ranks(comm, fused >= 20, f"only {fused} of 40 arrays were fused")
+            for i, (n, x, y) in enumerate(zip(counts_, xs, results)):
+                assert (y is x) == inplace
+                want = sum(crafted(r + i, n, "float32", mt.Sum) for r in range(comm.size))
+                assert_equal_all_ranks(comm, host(y), want, f"fused #{i} of {counts_[:4]}")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_one_slot_and_many_segments(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
     """One pinned slot per direction: every segment queues behind the previous one."""
