@@ -21,6 +21,10 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     PRODUCT = "product"
 
+    # Members are singletons compared by identity: hash them the same way, in C
+    # (Enum's own __hash__ is Python code, and every async submission hashes its op).
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"mpitrain.{self.name.capitalize()}"
 

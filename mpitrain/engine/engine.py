@@ -56,7 +56,7 @@ from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import Negotiator, Signatures
-from .request import Entry, Handle, Request, Spec, Waiters
+from .request import Entry, Handle, Request, Spec, Waiters, complete_all
 
 if TYPE_CHECKING:
     from ..comm.communicator import Communicator
@@ -312,34 +312,34 @@ class Engine:
 
     def _submit(self, what: str, name: str | None, spec: Spec, array: Any, output: Any,
                 entries: list[Entry] | None = None) -> Handle:
+        # The request is made before taking the lock (the counter's next() is atomic).
+        # Only a given name is tracked, so only its handle has one to release.
+        if name is None:  # generated names are unique: never tracked
+            request = Request(f"{what}.noname.{next(self._counters[what])}", spec, array,
+                              output, self._waiters, False, None, entries)
+        elif isinstance(name, str) and name:
+            request = Request(name, spec, array, output, self._waiters, True,
+                              self._release_name, entries)
+        else:
+            raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
+                                f"got {name!r}")
         with self._lock:
             if self._closed is not None:
                 self._check_open()
-            if name is None:  # generated names are unique: never tracked
-                given = False
-                name = f"{what}.noname.{next(self._counters[what])}"
-            else:
-                given = True
-                if not isinstance(name, str) or not name:
-                    raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
-                                        f"got {name!r}")
-                if name in self._in_flight:
-                    raise ArgumentError(
-                        f"rank {self.rank}: an async operation named {name!r} is already in "
-                        "flight; wait for its handle before submitting that name again, or "
-                        "give this one another name")
-            # Only a given name is tracked, so only its handle has one to release.
-            handle = Request(name, spec, array, output, self._waiters, given,
-                             self._release_name if given else None, entries)
+            if name is not None and name in self._in_flight:
+                raise ArgumentError(
+                    f"rank {self.rank}: an async operation named {name!r} is already in "
+                    "flight; wait for its handle before submitting that name again, or "
+                    "give this one another name")
             if entries is not None and not entries:  # an empty group: nothing to move
-                handle.complete()
-                return handle
-            if given:
+                request.complete()
+                return request
+            if name is not None:
                 self._in_flight.add(name)
-            self._incoming.append(handle)
+            self._incoming.append(request)
             if self._idle:  # one wake-up per sleep, not one per submission
                 self._wake()
-        return handle
+        return request
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -469,7 +469,7 @@ class Engine:
                 if request.name in mismatched:
                     request.error = MismatchError(self._mismatch(request.name,
                                                                  mismatched[request.name]))
-                    self._finish(request)
+                    self._finish([request])
                 else:
                     runnable.append(request)
         if tl is not None:
@@ -485,7 +485,7 @@ class Engine:
                     f"rank {self.rank}: the async engine was shut down before rank(s) "
                     f"{missing} submitted {request.name!r}; every rank must submit each async "
                     "operation before shutdown")
-                self._finish(request)
+                self._finish([request])
             self._pending.clear()
             self._finished = True
         self._running = []
@@ -510,26 +510,30 @@ class Engine:
             for request in bucket.requests:
                 for phase, start, end in phases:
                     tl.span(self._lane, self._lane_name, request.name, phase, start, end, args)
-        done = []
-        for request, _ in bucket.items:
-            if error is not None and request.error is None:
-                request.error = error
-            request.unfinished -= 1
-            if not request.unfinished:
-                done.append(request)
-        self._finish(*done)
+        if bucket.spec is not None:  # requests of one array each: all done now
+            done = [request for request, _ in bucket.items]
+            if error is not None:
+                for request in done:
+                    request.error = request.error or error
+        else:
+            done = []
+            for request, _ in bucket.items:
+                if error is not None and request.error is None:
+                    request.error = error
+                request.unfinished -= 1
+                if not request.unfinished:
+                    done.append(request)
+        self._finish(done)
 
     def _release_name(self, name: str) -> None:
         """The caller has seen the operation named ``name`` finish (its handle)."""
         with self._cond:
             self._in_flight.discard(name)
 
-    def _finish(self, *requests: Request) -> None:
+    def _finish(self, requests: list[Request]) -> None:
         """Hand out the requests' results (or errors)."""
         self.stats.operations += len(requests)
-        now = time.perf_counter()
-        for request in requests:
-            request.complete(now)
+        complete_all(requests)
         self._waiters.notify()
 
     def _abort(self, exc: BaseException) -> None:
@@ -546,7 +550,7 @@ class Engine:
                                        f"{request.name!r} was in flight: {exc!r}")
             error.__cause__ = exc
             request.error = error
-            self._finish(request)
+            self._finish([request])
 
     def _mismatch(self, name: str, signatures: Signatures) -> str:
         first = signatures[0]

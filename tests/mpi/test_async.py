@@ -399,6 +399,18 @@ def test_collective_errors_reach_every_rank(comm: mt.Communicator,
     h = comm.allreduce_async(np.ones(10), name="bad", algorithm="ring")
     with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='bogus'"):
         h.wait()
+    # a bucket of requests of one spec, one of several specs, one of a group's arrays
+    # (each batch waited before the next, so that each is its own bucket): all fail
+    batches = [lambda: [comm.allreduce_async(np.ones(4), name=f"same.{i}", algorithm="ring")
+                        for i in range(3)],
+               lambda: [comm.allreduce_async(np.ones(i + 1), name=f"mixed.{i}",
+                                             algorithm="ring") for i in range(3)],
+               lambda: [comm.grouped_allreduce_async([np.ones(2), np.ones(3)],
+                                                     algorithm="ring")]]
+    for submit in batches:
+        for handle in submit():
+            with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='bogus'"):
+                handle.wait()
     env.delenv("MPITRAIN_SEGMENT_BYTES")
     assert mt.poll(h)
     assert_equal_all_ranks(comm, comm.allreduce_async(np.ones(2), name="bad").wait(),

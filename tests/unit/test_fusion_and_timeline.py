@@ -98,8 +98,9 @@ def test_fused_bucket_hands_each_request_its_own_piece(inplace: bool) -> None:
     class Doubling:  # a stand-in communicator: the "reduction" doubles the buffer
         last_algorithm = "test"
 
-        def allreduce_(self, buf: Any, *args: Any) -> None:
-            buf *= 2
+        def _allreduce_flat(self, be: Any, src: Any, out: Any, *args: Any) -> None:
+            assert src is out  # the fusion buffer is reduced in place
+            out *= 2
 
     reqs = shared_spec_requests(4, count=3, inplace=inplace)
     arrays = [r.array for r in reqs]
