@@ -39,17 +39,15 @@ class AsyncCollectives:
         (see the class documentation). Small allreduces with the same op, dtype,
         scaling and algorithm are fused (``MPITRAIN_FUSION_THRESHOLD``).
         """
-        engine = self._engine or self._async_engine()  # the hot path: no call once started
-        return engine.allreduce(x, op, name, prescale_factor, postscale_factor, algorithm,
-                                False)
+        return self._async_engine().allreduce(x, op, name, prescale_factor, postscale_factor,
+                                              algorithm, False)
 
     def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
                          name: str | None = None, prescale_factor: float = 1.0,
                          postscale_factor: float = 1.0, algorithm: str | None = None) -> Handle:
         """Start an in-place allreduce of ``x``; ``wait()`` returns ``x``, reduced."""
-        engine = self._engine or self._async_engine()
-        return engine.allreduce(x, op, name, prescale_factor, postscale_factor, algorithm,
-                                True)
+        return self._async_engine().allreduce(x, op, name, prescale_factor, postscale_factor,
+                                              algorithm, True)
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                                 name: str | None = None, prescale_factor: float = 1.0,

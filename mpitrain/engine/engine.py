@@ -332,7 +332,7 @@ class Engine:
                     "flight; wait for its handle before submitting that name again, or "
                     "give this one another name")
             if entries is not None and not entries:  # an empty group: nothing to move
-                request.complete()
+                complete_all([request])
                 return request
             if name is not None:
                 self._in_flight.add(name)
@@ -510,19 +510,13 @@ class Engine:
             for request in bucket.requests:
                 for phase, start, end in phases:
                     tl.span(self._lane, self._lane_name, request.name, phase, start, end, args)
-        if bucket.spec is not None:  # requests of one array each: all done now
-            done = [request for request, _ in bucket.items]
-            if error is not None:
-                for request in done:
-                    request.error = request.error or error
-        else:
-            done = []
-            for request, _ in bucket.items:
-                if error is not None and request.error is None:
-                    request.error = error
-                request.unfinished -= 1
-                if not request.unfinished:
-                    done.append(request)
+        done = []
+        for request, _ in bucket.items:
+            if error is not None and request.error is None:
+                request.error = error
+            request.unfinished -= 1
+            if not request.unfinished:
+                done.append(request)
         self._finish(done)
 
     def _release_name(self, name: str) -> None:

@@ -218,10 +218,6 @@ class Request(Handle):
         """The array library of the request's (first) array."""
         return self.spec.backend
 
-    def complete(self) -> None:
-        """Mark the request done (see :func:`complete_all`)."""
-        complete_all([self])
-
 
 def complete_all(requests: list[Request]) -> None:
     """Mark the requests done, each with its result (the output, or the list of outputs
