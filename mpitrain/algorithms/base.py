@@ -9,9 +9,15 @@ reduces data. The signatures of ``run()`` per collective:
 * allgather: ``run(block, out)``, ``out`` holds every rank's chunk;
 * broadcast: ``run(buf)``.
 
-An algorithm whose class sets ``fuses_check = True`` validates the call itself (its
-data rides the validation exchange): its ``run`` takes the call's
-:class:`~mpitrain.comm.validation.Signature` (or ``None``) as a last argument.
+Class attributes that change how the communicator calls ``run()``:
+
+* ``fuses_check = True``: the algorithm validates the call itself (its data rides the
+  validation exchange); ``run`` takes the call's
+  :class:`~mpitrain.comm.validation.Signature` (or ``None``) after the buffers;
+* ``fuses_postscale = True``: ``run`` takes the factor the result is multiplied by
+  as its last argument (and applies it itself, where it is cheapest);
+* ``takes_pieces = True``: ``src`` and ``out`` may be :class:`~.pieces.Pieces`
+  (the arrays of a fusion bucket, not packed into one buffer).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from ..comm.shm import SharedMemory
 from ..comm.validation import NO_PAYLOAD, Signature, Validator
 from .base import PlanRequest
 from .chunks import Bounds
+from .pieces import Pieces, read_range, write_range
 
 CACHE_LINE = 64
 STRIPE_BYTES = 512 << 10
@@ -108,13 +109,23 @@ class _ShmPlan:
 
 
 class ShmAllreduce(_ShmPlan):
-    """Allreduce through shared memory: one slot exchange when small, stripes when large."""
+    """Allreduce through shared memory: one slot exchange when small, stripes when large.
+
+    ``src`` and ``out`` may be :class:`~.pieces.Pieces` (a fusion bucket's arrays,
+    unpacked): every step reads or writes element ranges anyway, so no packing copy
+    is needed. The owner of a stripe scales it once (``postscale``) before the others
+    read it, instead of every rank scaling its whole output afterwards.
+    """
 
     fuses_check = True
+    fuses_postscale = True
+    takes_pieces = True
 
     def __init__(self, req: PlanRequest) -> None:
         super().__init__(req)
         self.op = req.reduction
+        self.count = req.count
+        self.scratch: Any = None
         n = self.n
         if self.small:
             # slots[p][q]: rank q's input, as this call's dtype, at parity p.
@@ -129,13 +140,18 @@ class ShmAllreduce(_ShmPlan):
         self.res = [[_views(self.shm, self.dt, c, (2 * n + p) * wb, width) for c in range(n)]
                     for p in range(2)]
 
-    def run(self, src: Any, out: Any, sig: Signature | None) -> None:
-        """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
+    def run(self, src: Any, out: Any, sig: Signature | None, postscale: float = 1.0) -> None:
+        """``out = reduce(src over ranks) * postscale``; ``src`` may be ``out``."""
+        be, count = self.backend, self.count
         if self.small:
             slots = self.slots[self.shm.next_parity]
-            self.backend.copy_into(slots[self.rank], src)
+            read_range(be, src, 0, count, slots[self.rank])
             self.validator.exchange(sig, payload=self.nbytes)
-            reduce_in_order(self.backend, out, slots, self.op)
+            dst = out if type(out) is not Pieces else self._scratch()
+            reduce_in_order(be, dst, slots, self.op)
+            be.scale(dst, postscale)
+            if dst is not out:
+                out.write(0, count, dst)
             return
         if sig is not None:
             self.validator.check(sig)
@@ -148,32 +164,45 @@ class ShmAllreduce(_ShmPlan):
             if j:
                 self._gather(out, j - 1, p ^ 1)
             if j < rounds:
-                self._reduce(src, out, j, p)
+                self._reduce(src, out, j, p, postscale)
+
+    def _scratch(self) -> Any:
+        """A buffer of the call's size, for results bound for :class:`Pieces`."""
+        if self.scratch is None:
+            self.scratch = self.backend.empty(self.count, self.dt)
+        return self.scratch
 
     def _stage(self, src: Any, j: int, p: int) -> None:
-        copy, stage, r = self.backend.copy_into, self.stage[p][self.rank], self.rank
+        be, stage, r = self.backend, self.stage[p][self.rank], self.rank
         for c in range(self.n):
             lo, hi = self.stripes.bounds(c, j)
             if c != r and hi > lo:
-                copy(stage[c][:hi - lo], src[lo:hi])
+                read_range(be, src, lo, hi, stage[c][:hi - lo])
 
-    def _reduce(self, src: Any, out: Any, j: int, p: int) -> None:
-        r = self.rank
+    def _reduce(self, src: Any, out: Any, j: int, p: int, postscale: float) -> None:
+        r, be, stage = self.rank, self.backend, self.stage[p]
         lo, hi = self.stripes.bounds(r, j)
         m = hi - lo
         if not m:
             return
         res = self.res[p][r][:m]
-        operands = [src[lo:hi] if q == r else self.stage[p][q][r][:m] for q in range(self.n)]
-        reduce_in_order(self.backend, res, operands, self.op)
-        self.backend.copy_into(out[lo:hi], res)
+        if type(src) is Pieces:
+            # this rank's own stage region (never read by the others) holds its stripe
+            mine = stage[r][r][:m]
+            src.read(lo, hi, mine)
+        else:
+            mine = src[lo:hi]
+        operands = [mine if q == r else stage[q][r][:m] for q in range(self.n)]
+        reduce_in_order(be, res, operands, self.op)
+        be.scale(res, postscale)  # before the others copy it (after the next barrier)
+        write_range(be, out, lo, hi, res)
 
     def _gather(self, out: Any, j: int, p: int) -> None:
-        copy, res = self.backend.copy_into, self.res[p]
+        be, res = self.backend, self.res[p]
         for c in range(self.n):
             lo, hi = self.stripes.bounds(c, j)
             if c != self.rank and hi > lo:
-                copy(out[lo:hi], res[c][:hi - lo])
+                write_range(be, out, lo, hi, res[c][:hi - lo])
 
 
 class ShmReduceScatter(_ShmPlan):

@@ -116,11 +116,11 @@ class NumpyBackend:
         np.copyto(dst, src, casting="unsafe")
 
     def pack_into(self, dst: Array, parts: list[Array]) -> None:
-        """Copy ``parts`` one after the other into ``dst``."""
-        start = 0
-        for part in parts:
-            dst[start:start + part.size] = part
-            start += part.size
+        """Copy flat ``parts`` one after the other into ``dst`` (one ``concatenate``)."""
+        if len(parts) > 1:
+            np.concatenate(parts, axis=None, out=dst)
+        elif parts:
+            dst[...] = parts[0]
 
     def unpack_from(self, src: Array, parts: list[Array]) -> None:
         """Copy consecutive pieces of ``src`` into ``parts``."""

@@ -206,11 +206,23 @@ class Communicator(AsyncCollectives):
             be.copy_into(arr, work)
         return x
 
+    def _takes_pieces(self, algorithm: str | None, nbytes: int, be: ArrayBackend,
+                      dt: np.dtype[Any]) -> bool:
+        """True if an allreduce of ``nbytes`` runs an algorithm that reads and writes
+        :class:`~mpitrain.algorithms.pieces.Pieces`: a fusion bucket then goes to
+        :meth:`_allreduce_flat` unpacked (without a prescale factor)."""
+        if self.size == 1:
+            return False
+        name = self._algorithm("allreduce", algorithm, nbytes, be, dt)
+        return bool(getattr(algorithms.REGISTRY["allreduce"][name], "takes_pieces", False))
+
     def _allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                         op: ReduceOp, algorithm: str | None, prescale: float,
                         postscale: float, name: str | None = None,
                         shape: tuple[int, ...] | None = None) -> None:
-        """Allreduce of flat contiguous arrays (the entry point of fused buffers too).
+        """Allreduce of flat contiguous arrays (the entry point of fused buffers too,
+        which may be :class:`~mpitrain.algorithms.pieces.Pieces` where
+        :meth:`_takes_pieces` says so).
 
         ``name`` and ``shape`` (default: the flat shape) only enter validation.
         """
@@ -519,15 +531,14 @@ class Communicator(AsyncCollectives):
         allgather: every rank's element count).
         """
         plan = self._plan(collective, name, be, dt, op, shape, root)
-        if getattr(plan, "fuses_check", False):
-            plan.run(*buffers, sig)
-        else:
-            if sig is not None:
-                self.validator.check(sig)
-            if getattr(plan, "fuses_postscale", False):
-                plan.run(*buffers, postscale)
-                return
-            plan.run(*buffers)
+        checks = getattr(plan, "fuses_check", False)
+        if sig is not None and not checks:
+            self.validator.check(sig)
+        args = (*buffers, sig) if checks else buffers
+        if getattr(plan, "fuses_postscale", False):
+            plan.run(*args, postscale)
+            return
+        plan.run(*args)
         be.scale(buffers[-1], postscale)
 
     def _plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..algorithms.pieces import Pieces
 from .request import Request, Spec
 
 if TYPE_CHECKING:
@@ -137,30 +138,45 @@ class BucketRunner:
         return [(self._collective_name(spec), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
-        """Pack into a new buffer, reduce it in place, hand out the results.
+        """Reduce the bucket's arrays as one flat buffer and hand out the results.
 
-        Out-of-place results are views of the buffer (no second copy), so the buffer
-        lives as long as any of them; in-place results are copied back into the
-        caller's arrays.
+        Where the communicator's algorithm takes :class:`Pieces` (shared memory, no
+        prescale), the arrays go to it as they are: in place, the results land in
+        them; out of place, in one new buffer. Otherwise they are packed into a new
+        buffer that is reduced in place. Out-of-place results are views of the buffer
+        (no second copy), so it lives as long as any of them; in-place results in a
+        packed buffer are copied back into the caller's arrays.
         """
         items = bucket.items
         spec = items[0][0].spec
         be = items[0][1].backend
         packing = time.perf_counter()
-        buf = be.concatenate([entry.array for _, entry in items])
+        arrays = [entry.array for _, entry in items]
+        dt = arrays[0].dtype
+        same = bucket.spec
+        inplace = same.inplace if same is not None else _all_or_none(
+            [request.spec.inplace for request, _ in items])
+        pieces = None
+        if inplace is not None and spec.prescale == 1.0 \
+                and self.comm._takes_pieces(spec.algorithm, bucket.nbytes, be, dt):
+            pieces = _as_pieces(be, arrays, same, inplace)
+        if pieces is None:
+            src = buf = be.concatenate(arrays)
+        else:
+            src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
         start = _begin(bucket)
-        with be.scope(buf):  # a new flat buffer: none of allreduce_'s argument checks
-            self.comm._allreduce_flat(be, buf, buf, buf.dtype, spec.op, spec.algorithm,
+        with be.scope(arrays[0]):  # a new flat buffer: none of allreduce_'s argument checks
+            self.comm._allreduce_flat(be, src, buf, dt, spec.op, spec.algorithm,
                                       spec.prescale, spec.postscale)
         unpacking = time.perf_counter()
-        same = bucket.spec
-        shape = same.shape if same is not None else None
-        if same is not None and shape is not None and len(shape) == 1:
+        if type(buf) is Pieces:  # in place: the results are in the caller's arrays
+            pass
+        elif same is not None and same.shape is not None and len(same.shape) == 1:
             # equal 1-D pieces of one spec (the common case of many small tensors): the
             # rows of one reshape are their results
-            rows = buf.reshape(len(items), shape[0])
+            rows = buf.reshape(len(items), same.shape[0])
             if same.inplace:
-                be.scatter([entry.array for _, entry in items], rows)
+                be.scatter(arrays, rows)
             else:
                 for (_, entry), row in zip(items, rows):
                     entry.output = row
@@ -181,6 +197,27 @@ class BucketRunner:
 
     def _collective_name(self, spec: Spec) -> str:
         return f"{spec.kind.upper()}({self.comm.last_algorithm})"
+
+
+def _all_or_none(flags: list[bool]) -> bool | None:
+    """``True`` or ``False`` if every flag is, else ``None``."""
+    first = flags[0]
+    return first if all(flag is first for flag in flags) else None
+
+
+def _as_pieces(be: Any, arrays: list[Any], same: Spec | None, inplace: bool) -> Pieces | None:
+    """The arrays as :class:`Pieces` of 1-D views, or ``None`` if one to be written in
+    place has none (a non-contiguous array of several dimensions)."""
+    if same is not None and same.shape is not None and len(same.shape) == 1:
+        return Pieces(be, arrays)
+    flat = []
+    for a in arrays:
+        if a.ndim != 1:
+            if inplace and not be.is_contiguous(a):
+                return None
+            a = be.flat(a)
+        flat.append(a)
+    return Pieces(be, flat)
 
 
 def _begin(bucket: Bucket) -> float:

@@ -173,6 +173,45 @@ def test_one_bucket_of_mixed_shapes_and_layouts(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("segment", ["", "48"])
+@pytest.mark.parametrize("dtype,op", [("float32", mt.Sum), ("int64", mt.Average),
+                                      ("float64", mt.Average), ("int16", mt.Max),
+                                      ("float16", mt.Product)])
+def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.MonkeyPatch,
+                                       segment: str, dtype: str, op: mt.ReduceOp) -> None:
+    """Buckets that the shared-memory allreduce takes as they are (no fusion buffer):
+    uneven sizes whose chunk and stripe boundaries fall inside arrays, empty, strided and
+    2-d arrays, in the slot (small total) and in stripes (large total or, with 48-byte
+    segments, many rounds), in place and out of place, with Average's scaling."""
+    if segment:
+        env.setenv("MPITRAIN_SEGMENT_BYTES", segment)
+    for total in (97, 40_009):
+        sizes = [0, 1, 5, total // 3, 0, 7, total - total // 3 - 13]
+        bounds = list(zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)))
+        values = crafted(comm.rank, total, dtype, op)
+        full = reference(comm.size, total, dtype, op)
+        # in place: contiguous arrays, and every other one a strided view whose gaps
+        # must stay untouched
+        holders = [np.full(2 * (b - a), 3, values.dtype) for a, b in bounds]
+        arrays = []
+        for i, ((a, b), holder) in enumerate(zip(bounds, holders)):
+            holder[::2] = values[a:b]
+            arrays.append(holder[::2] if i % 2 else values[a:b].copy())
+        handles = [comm.allreduce_async_(x, op=op) for x in arrays]
+        for i, (h, x, (a, b)) in enumerate(zip(handles, arrays, bounds)):
+            assert h.wait() is x
+            assert_equal_all_ranks(comm, x, full[a:b], f"in place #{i} of {total}")
+            assert_all_ranks(comm, bool((holders[i][1::2] == 3).all()), f"gaps of #{i}")
+        # out of place: 2-d arrays where the size divides
+        inputs = [values[a:b].reshape(-1, 2) if (b - a) % 2 == 0 and b > a else values[a:b]
+                  for a, b in bounds]
+        handles = [comm.allreduce_async(x, op=op) for x in inputs]
+        for i, (h, x, (a, b)) in enumerate(zip(handles, inputs, bounds)):
+            assert_equal_all_ranks(comm, h.wait(), full[a:b].reshape(x.shape),
+                                   f"out of place #{i} of {total}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_waits_from_several_threads(comm: mt.Communicator) -> None:
     """Callers blocked in wait() run the engine's cycles themselves; several threads
     waiting at once (and the progress thread) take turns without mixing results."""

@@ -11,6 +11,7 @@ import pytest
 import mpitrain as mt
 from benchmarks import harness
 from mpitrain import config
+from mpitrain.algorithms.pieces import Pieces, read_range, write_range
 from mpitrain.backends import NUMPY
 from mpitrain.engine.fusion import BucketRunner, fusion_key, plan_buckets
 from mpitrain.engine.request import Entry, Request, Spec, Waiters
@@ -93,14 +94,25 @@ def test_bucket_spec_is_kept_only_when_every_item_shares_it() -> None:
     assert plan_buckets([group], 64 << 20)[0].spec is None  # entries of a group: no spec
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_fused_bucket_hands_each_request_its_own_piece(inplace: bool) -> None:
+def test_fused_bucket_hands_each_request_its_own_piece(inplace: bool, pieces: bool) -> None:
     class Doubling:  # a stand-in communicator: the "reduction" doubles the buffer
         last_algorithm = "test"
 
+        def _takes_pieces(self, *args: Any) -> bool:
+            return pieces
+
         def _allreduce_flat(self, be: Any, src: Any, out: Any, *args: Any) -> None:
-            assert src is out  # the fusion buffer is reduced in place
-            out *= 2
+            if not pieces:
+                assert src is out  # the fusion buffer is reduced in place
+                out *= 2
+                return
+            # the arrays themselves; in place the output is them, else a new buffer
+            assert isinstance(src, Pieces) and (out is src) == inplace
+            data = np.empty(src.size, src.arrays[0].dtype)
+            read_range(be, src, 0, src.size, data)
+            write_range(be, out, 0, src.size, data * 2)
 
     reqs = shared_spec_requests(4, count=3, inplace=inplace)
     arrays = [r.array for r in reqs]
