@@ -2,7 +2,10 @@
 
 Each named operation gets a row (a trace "thread") showing its phases: ``QUEUE``
 (submitted until every rank has submitted it), ``PACK`` (copy into the fusion
-buffer), the collective with its algorithm (e.g. ``ALLREDUCE(ring)``) and ``UNPACK``.
+buffer), the collective with its algorithm (e.g. ``ALLREDUCE(ring)``) and ``UNPACK``
+(results handed out, copied back for in-place ones). On one node the shared-memory
+allreduce copies straight between the arrays and shared memory: PACK and UNPACK are
+then nearly empty and the collective's span holds the copies.
 Operations fused together show the same PACK/collective/UNPACK spans, with the
 bucket's id, tensor count and bytes in the event's ``args``. Each communicator's
 engine is one trace "process".

@@ -13,8 +13,12 @@ unpack, where the middle three are one call of the engine's
 :class:`~mpitrain.Communicator`, so fused buffers get the same algorithm selection,
 plan cache and scaling as blocking calls. The fusion buffer is a new array per
 bucket (one ``concatenate``, which also flattens and makes contiguous); out-of-place
-results are views of it. A bucket of one entry skips the fusion buffer and calls the
-communicator on the entry's own array.
+results are views of it. Where the communicator's algorithm takes
+:class:`~mpitrain.algorithms.pieces.Pieces` (the shared-memory allreduce, on one
+node), nothing is packed: the algorithm reads the arrays themselves and writes the
+results into them (in place) or into a new buffer (out of place), which saves one
+or two copies of the bucket. A bucket of one entry skips the fusion buffer and calls
+the communicator on the entry's own array.
 """
 
 from __future__ import annotations
