@@ -209,6 +209,13 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.Monkey
         for i, (h, x, (a, b)) in enumerate(zip(handles, inputs, bounds)):
             assert_equal_all_ranks(comm, h.wait(), full[a:b].reshape(x.shape),
                                    f"out of place #{i} of {total}")
+    # in place, a 2-d array with no flat view that writes through: the bucket is packed
+    values, full = crafted(comm.rank, 24, dtype, op), reference(comm.size, 24, dtype, op)
+    arrays = [values[:12].reshape(3, 4).copy(), values[12:].reshape(3, 4).copy().T]
+    for h in [comm.allreduce_async_(x, op=op) for x in arrays]:
+        h.wait()
+    assert_equal_all_ranks(comm, arrays[0], full[:12].reshape(3, 4), "2-d in place")
+    assert_equal_all_ranks(comm, arrays[1], full[12:].reshape(3, 4).T, "transposed in place")
 
 
 @pytest.mark.mpi(min_size=1)
