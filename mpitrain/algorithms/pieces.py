@@ -23,8 +23,8 @@ class Pieces:
 
     Args:
         backend: the arrays' library.
-        arrays: 1-D arrays of one dtype (to be written into: C-contiguous ones, so that
-            their slices write through).
+        arrays: 1-D arrays of one dtype, contiguous or strided (writing the buffer
+            writes them: pass the caller's arrays, or views of them).
     """
 
     def __init__(self, backend: ArrayBackend, arrays: list[Array]) -> None:

@@ -15,11 +15,12 @@ rank computes the same bits.
 :class:`~.base.PlanRequest`). In allreduce, rank ``r`` copies the stripe of every
 chunk ``c != r`` to ``stage[c]`` of its arena, everyone meets at a barrier, owner
 ``r`` reduces its own stripe of ``src`` with ``stage[r]`` of every other rank into
-``res`` and its output, and, after the next round's barrier, every rank copies the
-other owners' ``res`` into its output. So each round costs one barrier, and the
-stripes stay in the cache between the copy that writes them and the reads; from main
-memory each rank only reads its input and writes its output once. ``stage`` and
-``res`` alternate between two parities, following the rule in :mod:`.shm`.
+``res`` (scaled there once, for everyone) and its output, and, after the next round's
+barrier, every rank copies the other owners' ``res`` into its output. So each round
+costs one barrier, and the stripes stay in the cache between the copy that writes them
+and the reads; from main memory each rank only reads its input and writes its output
+once. ``stage`` and ``res`` alternate between two parities, following the rule in
+:mod:`.shm`.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class ShmAllreduce(_ShmPlan):
             slots = self.slots[self.shm.next_parity]
             read_range(be, src, 0, count, slots[self.rank])
             self.validator.exchange(sig, payload=self.nbytes)
-            dst = out if type(out) is not Pieces else self._scratch()
+            dst = self._scratch() if isinstance(out, Pieces) else out
             reduce_in_order(be, dst, slots, self.op)
             be.scale(dst, postscale)
             if dst is not out:
@@ -186,7 +187,7 @@ class ShmAllreduce(_ShmPlan):
         if not m:
             return
         res = self.res[p][r][:m]
-        if type(src) is Pieces:
+        if isinstance(src, Pieces):
             # this rank's own stage region (never read by the others) holds its stripe
             mine = stage[r][r][:m]
             src.read(lo, hi, mine)

@@ -169,11 +169,11 @@ class BucketRunner:
         else:
             src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
         start = _begin(bucket)
-        with be.scope(arrays[0]):  # a new flat buffer: none of allreduce_'s argument checks
+        with be.scope(arrays[0]):  # buffers the engine made: none of allreduce_'s checks
             self.comm._allreduce_flat(be, src, buf, dt, spec.op, spec.algorithm,
                                       spec.prescale, spec.postscale)
         unpacking = time.perf_counter()
-        if type(buf) is Pieces:  # in place: the results are in the caller's arrays
+        if isinstance(buf, Pieces):  # in place: the results are in the caller's arrays
             pass
         elif same is not None and same.shape is not None and len(same.shape) == 1:
             # equal 1-D pieces of one spec (the common case of many small tensors): the
