@@ -13,7 +13,15 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import Any
 
+import numpy as np
+from mpi4py import MPI
+
 from ..backends import ArrayBackend
+
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
 Array = Any
 
@@ -34,6 +42,7 @@ class Pieces:
             starts.append(starts[-1] + a.size)
         self.starts = starts
         self.size: int = starts[-1]
+        self._overlapping: bool | None = None
 
     def parts(self, lo: int, hi: int) -> list[Array]:
         """Views of the pieces that hold elements ``lo .. hi`` of the buffer, in order
@@ -49,6 +58,18 @@ class Pieces:
         head = arrays[first] if lo == starts[first] else arrays[first][lo - starts[first]:]
         tail = arrays[last] if hi == starts[last + 1] else arrays[last][:hi - starts[last]]
         return [head, *arrays[first + 1:last], tail]
+
+    def overlapping(self) -> bool:
+        """True if two pieces may share memory: their byte ranges intersect (host
+        arrays; computed once). Writing such pieces can change what is read later."""
+        if self._overlapping is None:
+            end, self._overlapping = -1, False
+            for lo, hi in sorted(_byte_range(a) for a in self.arrays if a.size):
+                if lo < end:
+                    self._overlapping = True
+                    break
+                end = max(end, hi)
+        return self._overlapping
 
     def read(self, lo: int, hi: int, dst: Array) -> None:
         """``dst[:] = buffer[lo:hi]`` (``dst`` contiguous, ``hi - lo`` elements)."""
@@ -75,3 +96,13 @@ def write_range(backend: ArrayBackend, out: Array | Pieces, lo: int, hi: int,
         out.write(lo, hi, src)
     else:
         backend.copy_into(out[lo:hi], src)
+
+
+def _byte_range(a: Array) -> tuple[int, int]:
+    """The addresses of ``a``'s first byte and one past its last (host arrays)."""
+    try:
+        start = MPI.Get_address(a)  # a contiguous array: one C call
+    except (BufferError, ValueError, TypeError):
+        low, high = byte_bounds(a)
+        return int(low), int(high)
+    return start, start + a.nbytes

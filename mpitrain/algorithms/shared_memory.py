@@ -157,6 +157,12 @@ class ShmAllreduce(_ShmPlan):
         if sig is not None:
             self.validator.check(sig)
         shm, rounds = self.shm, self.stripes.rounds
+        if rounds > 1 and out is src and isinstance(src, Pieces) and src.overlapping():
+            # pieces that share memory, in place: a later round could read an element
+            # an earlier round wrote through another piece, so read everything first
+            packed = self._scratch()
+            src.read(0, count, packed)
+            src = packed
         for j in range(rounds + 1):
             p = shm.next_parity
             if j < rounds:

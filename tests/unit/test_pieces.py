@@ -85,3 +85,18 @@ def test_numpy_pack_and_unpack(count: int) -> None:
     NUMPY.unpack_from(buf, back)
     for p, b in zip(parts, back):
         np.testing.assert_array_equal(b, p)
+
+
+def test_overlapping_pieces_are_told_apart() -> None:
+    x = np.zeros(100)
+    cases = {
+        "disjoint slices": ([x[:10], x[10:20], np.zeros(3)], False),
+        "overlapping slices": ([x[:10], x[5:20]], True),
+        "one array twice": ([x, np.zeros(2), x], True),
+        "interleaved strided views (conservatively)": ([x[::2], x[1::2]], True),
+        "strided and reversed views apart": ([x[:50:2], x[60:70], x[::-3][:5]], False),
+        "an empty piece inside another's range": ([x[:10], x[5:5]], False),
+        "a view inside a strided one": ([x[::10], x[31:33]], True),
+    }
+    for what, (arrays, expected) in cases.items():
+        assert Pieces(NUMPY, arrays).overlapping() is expected, what
