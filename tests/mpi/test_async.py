@@ -222,18 +222,17 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.Monkey
 @pytest.mark.parametrize("segment", ["", "48"])
 def test_in_place_arrays_that_share_memory(comm: mt.Communicator, env: pytest.MonkeyPatch,
                                            segment: str) -> None:
-    """The same array twice and two overlapping views, in place in one bucket: every
-    element ends as the reduction of its original values (as if each operation had
-    read its input before any wrote), also when the bucket takes many stripe rounds
-    (48-byte segments) and a later round would read what an earlier one wrote."""
+    """The same array twice and two overlapping views, in place in one bucket (a
+    group: separate submissions may run in separate cycles, one after the other):
+    every element ends as the reduction of its original values, as with a fusion
+    buffer, also when the bucket takes many stripe rounds (48-byte segments) and a
+    later round would read what an earlier one wrote."""
     if segment:
         env.setenv("MPITRAIN_SEGMENT_BYTES", segment)
     values = crafted(comm.rank, 100, "float64", mt.Sum)
     full = reference(comm.size, 100, "float64", mt.Sum)
     x, y = values[:50].copy(), values[50:].copy()
-    handles = [comm.allreduce_async_(a) for a in (x, y[:30], x, y[20:])]
-    for h in handles:
-        h.wait()
+    comm.grouped_allreduce_([x, y[:30], x, y[20:]])
     assert_equal_all_ranks(comm, x, full[:50], "the same array twice")
     assert_equal_all_ranks(comm, y, full[50:], "overlapping views")
 
