@@ -197,11 +197,13 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.Monkey
         for i, ((a, b), holder) in enumerate(zip(bounds, holders)):
             holder[::2] = values[a:b]
             arrays.append(holder[::2] if i % 2 else values[a:b].copy())
+        before = comm.async_stats()
         handles = [comm.allreduce_async_(x, op=op) for x in arrays]
         for i, (h, x, (a, b)) in enumerate(zip(handles, arrays, bounds)):
             assert h.wait() is x
             assert_equal_all_ranks(comm, x, full[a:b], f"in place #{i} of {total}")
             assert_all_ranks(comm, bool((holders[i][1::2] == 3).all()), f"gaps of #{i}")
+        assert_all_ranks(comm, comm.async_stats().fused - before.fused >= 2, "some fused")
         # out of place: 2-d arrays where the size divides
         inputs = [values[a:b].reshape(-1, 2) if (b - a) % 2 == 0 and b > a else values[a:b]
                   for a, b in bounds]
