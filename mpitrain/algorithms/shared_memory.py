@@ -160,7 +160,8 @@ class ShmAllreduce(_ShmPlan):
         if rounds > 1 and out is src and isinstance(src, Pieces) and src.overlapping():
             # pieces that share memory, in place: a later round could read an element
             # an earlier round wrote through another piece, so read everything first
-            packed = self._scratch()
+            # (into a buffer of this call only: plans are cached, and this is rare)
+            packed = be.empty(count, self.dt)
             src.read(0, count, packed)
             src = packed
         for j in range(rounds + 1):
@@ -174,7 +175,8 @@ class ShmAllreduce(_ShmPlan):
                 self._reduce(src, out, j, p, postscale)
 
     def _scratch(self) -> Any:
-        """A buffer of the call's size, for results bound for :class:`Pieces`."""
+        """A buffer of the call's size (slot-sized), for results bound for
+        :class:`Pieces`."""
         if self.scratch is None:
             self.scratch = self.backend.empty(self.count, self.dt)
         return self.scratch
