@@ -132,9 +132,10 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
 
 
 def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
-    """A batch of async allreduces (some in place, one maybe a grouped allreduce), named
-    ones submitted and waited in an order of each rank's own, unnamed ones in the
-    common order, some polled with ``test()``; every result checked."""
+    """A batch of async allreduces (some in place, some of those into strided views, one
+    maybe a grouped allreduce), named ones submitted and waited in an order of each
+    rank's own, unnamed ones in the common order, some polled with ``test()``; every
+    result checked."""
     import mpitrain as mt
 
     size, rank = comm.size, comm.rank
@@ -153,9 +154,14 @@ def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[st
     mine.shuffle(named)
     handles: dict[int, Any] = {}
     inputs: dict[int, Any] = {}
+    strided = {i for i, s in enumerate(specs) if s[3] and rng.integers(4) == 0}
     for i in named + unnamed:
         dtype, op, count, inplace, has_name, name = specs[i]
         x = inputs[i] = crafted(rank, count, dtype, op)
+        if i in strided:  # in place into every other element of a bigger array
+            holder = np.zeros(2 * count, x.dtype)
+            holder[::2] = x
+            x = inputs[i] = holder[::2]
         call = comm.allreduce_async_ if inplace else comm.allreduce_async
         handles[i] = call(x, op=op, name=name if has_name else None)
     group = None
