@@ -158,12 +158,15 @@ class BucketRunner:
         arrays = [entry.array for _, entry in items]
         dt = arrays[0].dtype
         same = bucket.spec
+        # equal 1-D arrays of one spec (the common case of many small tensors): their length
+        row = same.shape[0] if same is not None and same.shape is not None \
+            and len(same.shape) == 1 else None
         inplace = same.inplace if same is not None else _all_or_none(
             [request.spec.inplace for request, _ in items])
         pieces = None
         if inplace is not None and spec.prescale == 1.0 \
                 and self.comm._takes_pieces(spec.algorithm, bucket.nbytes, be, dt):
-            pieces = _as_pieces(be, arrays, same, inplace)
+            pieces = _as_pieces(be, arrays, row is not None, inplace)
         if pieces is None:
             src = buf = be.concatenate(arrays)
         else:
@@ -173,29 +176,8 @@ class BucketRunner:
             self.comm._allreduce_flat(be, src, buf, dt, spec.op, spec.algorithm,
                                       spec.prescale, spec.postscale)
         unpacking = time.perf_counter()
-        if isinstance(buf, Pieces):  # in place: the results are in the caller's arrays
-            pass
-        elif same is not None and same.shape is not None and len(same.shape) == 1:
-            # equal 1-D pieces of one spec (the common case of many small tensors): the
-            # rows of one reshape are their results
-            rows = buf.reshape(len(items), same.shape[0])
-            if same.inplace:
-                be.scatter(arrays, rows)
-            else:
-                for (_, entry), row in zip(items, rows):
-                    entry.output = row
-        else:
-            offset = 0
-            for req, entry in items:
-                end = offset + entry.array.size
-                piece = buf[offset:end]
-                if entry.array.ndim != 1:
-                    piece = piece.reshape(entry.array.shape)
-                if req.spec.inplace:
-                    be.copy_into(entry.array, piece)
-                else:
-                    entry.output = piece
-                offset = end
+        if not isinstance(buf, Pieces):  # (in place on pieces: already in the arrays)
+            _hand_out(be, items, arrays, buf, row)
         return [("PACK", packing, start), (self._collective_name(spec), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
 
@@ -209,10 +191,10 @@ def _all_or_none(flags: list[bool]) -> bool | None:
     return first if all(flag is first for flag in flags) else None
 
 
-def _as_pieces(be: Any, arrays: list[Any], same: Spec | None, inplace: bool) -> Pieces | None:
-    """The arrays as :class:`Pieces` of 1-D views, or ``None`` if one to be written in
-    place has none (a non-contiguous array of several dimensions)."""
-    if same is not None and same.shape is not None and len(same.shape) == 1:
+def _as_pieces(be: Any, arrays: list[Any], one_d: bool, inplace: bool) -> Pieces | None:
+    """The arrays (all 1-D if ``one_d``) as :class:`Pieces` of 1-D views, or ``None`` if
+    one to be written in place has none (a non-contiguous array of several dimensions)."""
+    if one_d:
         return Pieces(be, arrays)
     flat = []
     for a in arrays:
@@ -222,6 +204,32 @@ def _as_pieces(be: Any, arrays: list[Any], same: Spec | None, inplace: bool) -> 
             a = be.flat(a)
         flat.append(a)
     return Pieces(be, flat)
+
+
+def _hand_out(be: Any, items: list[tuple[Request, Any]], arrays: list[Any], buf: Any,
+              row: int | None) -> None:
+    """Hand out the results in ``buf``: views of it out of place, copies back into the
+    caller's arrays in place. ``row``: the common length of equal 1-D arrays of one
+    spec, whose results are then the rows of one reshape."""
+    if row is not None:
+        rows = buf.reshape(len(items), row)
+        if items[0][0].spec.inplace:
+            be.scatter(arrays, rows)
+        else:
+            for (_, entry), result in zip(items, rows):
+                entry.output = result
+        return
+    offset = 0
+    for req, entry in items:
+        end = offset + entry.array.size
+        piece = buf[offset:end]
+        if entry.array.ndim != 1:
+            piece = piece.reshape(entry.array.shape)
+        if req.spec.inplace:
+            be.copy_into(entry.array, piece)
+        else:
+            entry.output = piece
+        offset = end
 
 
 def _begin(bucket: Bucket) -> float:
