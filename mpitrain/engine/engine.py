@@ -315,10 +315,11 @@ class Engine:
         # The request is made before taking the lock (the counter's next() is atomic).
         # Only a given name is tracked, so only its handle has one to release.
         if name is None:  # generated names are unique: never tracked
-            request = Request(f"{what}.noname.{next(self._counters[what])}", spec, array,
-                              output, self._waiters, False, None, entries)
+            serial = next(self._counters[what])
+            request = Request(f"{what}.noname.{serial}", spec, array, output, self._waiters,
+                              serial, None, entries)
         elif isinstance(name, str) and name:
-            request = Request(name, spec, array, output, self._waiters, True,
+            request = Request(name, spec, array, output, self._waiters, -1,
                               self._release_name, entries)
         else:
             raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
@@ -451,9 +452,7 @@ class Engine:
         """Run one cycle; True if anything moved (on any rank)."""
         self.stats.cycles += 1
         self._running = incoming  # before the exchange, so that _abort sees them if it fails
-        agreement = self._negotiator.exchange([(r.name, r.spec.signature) for r in incoming],
-                                              [r.given for r in incoming], stopping,
-                                              config.FUSION_THRESHOLD.get())
+        agreement = self._negotiator.exchange(incoming, stopping, config.FUSION_THRESHOLD.get())
         agreed_at = time.perf_counter()
         tl = timeline.current()
         if agreement.same:  # all of them, in submission order

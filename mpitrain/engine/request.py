@@ -185,13 +185,14 @@ class Request(Handle):
     The engine's record of the operation is also the :class:`Handle` the caller waits
     on (one object per submission); it holds the arrays until the operation is done.
     A request of one array (``array``; ``entries`` is ``None``) is its own entry; a
-    grouped request has ``entries``, one per array.
+    grouped request has ``entries``, one per array. ``serial`` is the ``n`` of a
+    generated name (``<kind>.noname.<n>``), -1 for a name the caller gave.
     """
 
-    __slots__ = ("array", "entries", "given", "nbytes", "output", "spec", "unfinished")
+    __slots__ = ("array", "entries", "nbytes", "output", "serial", "spec", "unfinished")
 
     def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
-                 given: bool = True, release: Callable[[str], None] | None = None,
+                 serial: int = -1, release: Callable[[str], None] | None = None,
                  entries: list[Entry] | None = None) -> None:
         # the handle's part
         self.name = name
@@ -204,7 +205,7 @@ class Request(Handle):
         self._result = None
         self.error = None
         # the operation's part
-        self.spec, self.given, self.entries = spec, given, entries
+        self.spec, self.serial, self.entries = spec, serial, entries
         self.array, self.output = array, output
         if entries is None:
             self.nbytes = array.nbytes

@@ -320,6 +320,40 @@ def test_small_operations_are_fused(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_unnamed_runs_cut_differently_per_rank(comm: mt.Communicator) -> None:
+    """Unnamed submissions are announced as runs (one item per burst of one spec). Here
+    rank 0 submits everything in one burst while the other ranks pause inside it, so
+    their cycles carry the same names in other runs; kinds and named calls interleave,
+    and the last rank gives one unnamed allreduce inside a run another dtype: that one
+    fails on every rank, the rest are right."""
+    last = comm.size - 1
+    bad = 13
+    handles: list[tuple[str, int, Any]] = []
+    for i in range(40):
+        if comm.rank and i % 9 == 4:
+            time.sleep(0.003)  # let this rank's engine announce what it has so far
+        dtype = np.float64 if comm.rank == last and i == bad and comm.size > 1 else np.float32
+        x = np.full(6, comm.rank + i, dtype)
+        if i % 10 == 7:
+            handles.append(("gather", i, comm.allgather_async(x.reshape(2, 3))))
+        elif i % 10 == 3:
+            handles.append(("named", i, comm.allreduce_async(x, name=f"runs/{i}")))
+        else:
+            handles.append(("reduce", i, comm.allreduce_async(x)))
+    total = sum(range(comm.size))
+    for kind, i, h in handles:
+        if i == bad and comm.size > 1:
+            with pytest.raises(mt.MismatchError, match="float64"):
+                h.wait()
+        elif kind == "gather":
+            want = np.concatenate([np.full((2, 3), r + i, np.float32) for r in range(comm.size)])
+            assert_equal_all_ranks(comm, h.wait(), want, f"allgather #{i}")
+        else:
+            assert_equal_all_ranks(comm, h.wait(), np.full(6, total + comm.size * i,
+                                                            np.float32), f"{kind} #{i}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_threshold_zero_turns_fusion_off(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
     env.setenv("MPITRAIN_FUSION_THRESHOLD", "0")
     before = comm.async_stats()

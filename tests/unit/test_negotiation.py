@@ -1,0 +1,86 @@
+"""How the negotiator encodes a cycle's announcements, and decodes other ranks'."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from mpi4py import MPI
+
+from mpitrain.engine.negotiation import Negotiator
+from mpitrain.engine.request import Waiters
+
+
+class Spec:
+    def __init__(self, signature: str) -> None:
+        self.signature = signature
+
+
+class Req:
+    """What the negotiator reads of a request."""
+
+    def __init__(self, spec: Spec, kind: str = "allreduce", serial: int = -1,
+                 name: str = "") -> None:
+        self.spec, self.serial = spec, serial
+        self.name = name or f"{kind}.noname.{serial}"
+
+
+def negotiator() -> Negotiator:
+    return Negotiator(MPI.COMM_SELF, 0.001, Waiters())
+
+
+def decoded(neg: Negotiator, announcements: list[Any]) -> list[tuple[str, str]]:
+    """The (name, signature) pairs another rank's payload puts in the table, in order."""
+    neg._record(1, memoryview(pickle.dumps(announcements)))
+    pairs = [(name, sigs[1]) for name, sigs in neg.table.items()]
+    neg.table.clear()
+    return pairs
+
+
+def test_consecutive_generated_names_of_one_spec_are_one_run() -> None:
+    a, b = Spec("allreduce sum float32[4]"), Spec("allreduce sum float64[4]")
+    reqs = [Req(a, serial=n) for n in range(5, 105)]
+    neg = negotiator()
+    out, fresh = neg._announce(reqs)
+    assert out == [["allreduce", 5, 100, a.signature]]
+    assert fresh == []
+    assert decoded(neg, out) == [(r.name, a.signature) for r in reqs]
+    # a change of spec (hence of kind), a gap or a step back in the serials, or a given
+    # name, starts a new item
+    reqs = [Req(a, serial=0), Req(a, serial=1), Req(b, serial=2), Req(b, serial=4),
+            Req(a, name="w", serial=-1), Req(b, serial=5), Req(a, "allgather", serial=6),
+            Req(a, serial=3)]
+    out, fresh = neg._announce(reqs)
+    assert out == [["allreduce", 0, 2, a.signature], ["allreduce", 2, 1, b.signature],
+                   ["allreduce", 4, 1, b.signature], ("w", a.signature),
+                   ["allreduce", 5, 1, b.signature], ["allgather", 6, 1, a.signature],
+                   ["allreduce", 3, 1, a.signature]]
+    assert fresh == [("w", a.signature)]
+    assert decoded(neg, out) == [(r.name, r.spec.signature) for r in reqs]
+
+
+def test_given_names_are_sent_by_number_once_agreed() -> None:
+    a = Spec("allreduce sum float32[4]")
+    neg = negotiator()
+    neg.remember("w1", a.signature)
+    reqs = [Req(a, name="w0"), Req(a, name="w1"), Req(a, serial=9), Req(a, name="w2")]
+    out, fresh = neg._announce(reqs)
+    assert out == [("w0", a.signature), 0, ["allreduce", 9, 1, a.signature],
+                   ("w2", a.signature)]
+    assert fresh == [("w0", a.signature), ("w2", a.signature)]
+    assert decoded(neg, out) == [(r.name, a.signature) for r in reqs]
+
+
+def test_a_cycle_agrees_and_numbers_the_given_names() -> None:
+    """One rank: every cycle is 'the same' on all ranks; given names get numbers in
+    announcement order, generated ones never do."""
+    a = Spec("allreduce sum float32[4]")
+    neg = negotiator()
+    reqs = [Req(a, serial=0), Req(a, name="g0"), Req(a, serial=1), Req(a, name="g1")]
+    agreement = neg.exchange(reqs, False, 1 << 20)
+    assert agreement.same and agreement.news
+    assert agreement.ready == [r.name for r in reqs]
+    assert neg.known == [("g0", a.signature), ("g1", a.signature)]
+    out, fresh = neg._announce(reqs)
+    assert out == [["allreduce", 0, 1, a.signature], 0, ["allreduce", 1, 1, a.signature], 1]
+    assert fresh == []
