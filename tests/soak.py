@@ -134,12 +134,14 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
 def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
     """A batch of async allreduces (some in place, some of those into strided views, one
     maybe a grouped allreduce), named ones submitted and waited in an order of each
-    rank's own, unnamed ones in the common order, some polled with ``test()``; every
-    result checked."""
+    rank's own, unnamed ones in the common order (in a third of the batches all alike,
+    so that they are announced as runs), some polled with ``test()``; every result
+    checked."""
     import mpitrain as mt
 
     size, rank = comm.size, comm.rank
     n = int(rng.integers(1, 31))
+    burst = rng.integers(3) == 0  # unnamed ones alike: announced as runs
     specs = []
     for i in range(n):
         dtype = str(rng.choice(DTYPES))
@@ -148,6 +150,9 @@ def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[st
         count = draw_count(rng, size, max_count // 8 or 1)
         specs.append((dtype, op, count, bool(rng.integers(2)), bool(rng.integers(4)),
                       f"soak/{rng.integers(1 << 62)}/{i}"))
+        if burst and not specs[-1][4]:
+            alike = next(s for s in specs if not s[4])
+            specs[-1] = (*alike[:4], False, specs[-1][5])
     mine = np.random.default_rng([int(rng.integers(1 << 31)), rank])  # this rank's orders
     named = [i for i, s in enumerate(specs) if s[4]]
     unnamed = [i for i, s in enumerate(specs) if not s[4]]
