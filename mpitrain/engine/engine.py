@@ -55,7 +55,7 @@ from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
-from .negotiation import Negotiator, Signatures
+from .negotiation import NONAME, Negotiator, Signatures
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all
 
 if TYPE_CHECKING:
@@ -316,8 +316,8 @@ class Engine:
         # Only a given name is tracked, so only its handle has one to release.
         if name is None:  # generated names are unique: never tracked
             serial = next(self._counters[what])
-            request = Request(f"{what}.noname.{serial}", spec, array, output, self._waiters,
-                              serial, None, entries)
+            request = Request(f"{what}{NONAME}{serial}", spec, array, output, self._waiters,
+                              serial, None, entries)  # generated_name(), without a call
         elif isinstance(name, str) and name:
             request = Request(name, spec, array, output, self._waiters, -1,
                               self._release_name, entries)

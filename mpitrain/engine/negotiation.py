@@ -46,7 +46,20 @@ Signatures = dict[int, str]
 # a numbered pair, (name, signature), or a run of generated names [kind, n, count, signature]
 Announcement = Union[int, tuple[str, str], list[Any]]
 NONAME = ".noname."
-"""Generated names are ``<kind>.noname.<n>``: never repeated, so never numbered."""
+"""Names generated for unnamed calls are ``<kind>.noname.<n>`` (:func:`generated_name`)."""
+
+
+def generated_name(kind: str, n: int) -> str:
+    """The name of the ``n``-th unnamed call of ``kind``: ``<kind>.noname.<n>``."""
+    return f"{kind}{NONAME}{n}"
+
+
+def is_generated(name: str) -> bool:
+    """True for a name :func:`generated_name` makes (such names never repeat). A given
+    name that merely contains ``.noname.`` (e.g. ``allreduce.noname.0.3``, which the
+    torch adapter gives unnamed parameters every step) is not one."""
+    _, sep, n = name.rpartition(NONAME)
+    return bool(sep) and n.isdigit()
 
 
 class Announced(Protocol):
@@ -57,8 +70,7 @@ class Announced(Protocol):
     serial: int  # n of a generated name ``<kind>.noname.<n>``, else -1
 
 SLOT_BYTES = 4096
-_FIELDS = 3  # payload length, stop flag, threshold: int64s at the start of a slot
-_HEAD = struct.Struct(f"={_FIELDS}q")
+_HEAD = struct.Struct("=3q")  # payload length, stop flag, threshold: the start of a slot
 CACHE_LIMIT = 1 << 16
 SPIN_S = 100e-6
 
@@ -110,7 +122,7 @@ class Negotiator:
         self.numbers: dict[tuple[str, str], int] = {}
         self.shm = shm if shm is not None and shm.slot_bytes >= SLOT_BYTES else None
         slot_bytes = self.shm.slot_bytes if self.shm is not None else SLOT_BYTES
-        self._inline = slot_bytes - 8 * _FIELDS
+        self._inline = slot_bytes - _HEAD.size
         self._slot = np.zeros(SLOT_BYTES, np.uint8)
         self._slots = np.zeros((self.size, SLOT_BYTES), np.uint8)
 
@@ -207,9 +219,9 @@ class Negotiator:
     def remember(self, name: str, signature: str) -> None:
         """Number a pair that every rank agreed on (call in ``ready`` order everywhere).
 
-        Automatic names (``<kind>.noname.<n>``) never repeat, so they are not numbered.
+        Generated names (:func:`is_generated`) never repeat, so they are not numbered.
         """
-        if NONAME in name:
+        if is_generated(name):
             return
         if len(self.known) >= CACHE_LIMIT:  # every rank reaches the limit in the same cycle
             self.known.clear()
@@ -226,7 +238,7 @@ class Negotiator:
                   lengths: list[int]) -> list[memoryview]:
         """Every rank's payload: from the slots, or from a second exchange if any is long."""
         if max(lengths) <= self._inline:
-            start = 8 * _FIELDS
+            start = _HEAD.size
             return [slots[r, start:start + n].data for r, n in enumerate(lengths)]
         displs = [sum(lengths[:r]) for r in range(self.size)]
         recv = bytearray(sum(lengths))
@@ -248,14 +260,15 @@ class Negotiator:
         for item in pickle.loads(data):
             if isinstance(item, list):  # a run of generated names
                 kind, first, count, signature = item
-                for n in range(first, first + count):
-                    table.setdefault(f"{kind}{NONAME}{n}", {})[rank] = signature
-                continue
-            name, signature = known[item] if isinstance(item, int) else item
-            sigs = table.get(name)
-            if sigs is None:
-                sigs = table[name] = {}
-            sigs[rank] = signature
+                pairs = [(generated_name(kind, n), signature)
+                         for n in range(first, first + count)]
+            else:
+                pairs = [known[item] if isinstance(item, int) else item]
+            for name, signature in pairs:
+                sigs = table.get(name)
+                if sigs is None:
+                    sigs = table[name] = {}
+                sigs[rank] = signature
 
     def _wait(self, done: Callable[[], bool], block: Callable[[], object]) -> None:
         """Wait for this cycle's exchange: ``done()`` tests it, ``block()`` waits for it

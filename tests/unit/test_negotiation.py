@@ -7,7 +7,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpitrain.engine.negotiation import Negotiator
+from mpitrain.engine.negotiation import Negotiator, generated_name, is_generated
 from mpitrain.engine.request import Waiters
 
 
@@ -44,6 +44,7 @@ def test_consecutive_generated_names_of_one_spec_are_one_run() -> None:
     out, fresh = neg._announce(reqs)
     assert out == [["allreduce", 5, 100, a.signature]]
     assert fresh == []
+    assert len(pickle.dumps(out, pickle.HIGHEST_PROTOCOL)) < 150  # not 100 pairs of text
     assert decoded(neg, out) == [(r.name, a.signature) for r in reqs]
     # a change of spec (hence of kind), a gap or a step back in the serials, or a given
     # name, starts a new item
@@ -84,3 +85,19 @@ def test_a_cycle_agrees_and_numbers_the_given_names() -> None:
     out, fresh = neg._announce(reqs)
     assert out == [["allreduce", 0, 1, a.signature], 0, ["allreduce", 1, 1, a.signature], 1]
     assert fresh == []
+
+
+def test_only_generated_names_go_unnumbered() -> None:
+    """Generated names never repeat and are not numbered; a given name that contains
+    ``.noname.`` (the torch adapter's default parameter names) repeats every step and is
+    numbered like any other."""
+    assert generated_name("allreduce", 7) == "allreduce.noname.7"
+    assert is_generated("allreduce.noname.7") and is_generated("grouped_allreduce.noname.0")
+    for given in ("allreduce.noname.0.3", "w", "allreduce.noname.", "x.noname.7b"):
+        assert not is_generated(given), given
+    a = Spec("allreduce sum float32[4]")
+    neg = negotiator()
+    neg.exchange([Req(a, name="allreduce.noname.0.3"), Req(a, serial=0)], False, 1 << 20)
+    assert neg.known == [("allreduce.noname.0.3", a.signature)]
+    neg.remember("allreduce.noname.1", a.signature)
+    assert len(neg.known) == 1
