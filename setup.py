@@ -1,12 +1,45 @@
-"""Packaging for mpitrain."""
+"""Packaging for mpitrain.
+
+``MPITRAIN_COMPILE=1`` compiles the async engine's core (the modules in ``COMPILED``) to
+C extensions with mypyc (``pip install mypy`` first; ``make`` does this, see README,
+"Compiled engine core"). Without it the same modules run as plain Python.
+"""
+
+import hashlib
+import os
+from pathlib import Path
 
 from setuptools import find_packages, setup
+
+COMPILED = ["mpitrain/engine/request.py", "mpitrain/engine/fusion.py",
+            "mpitrain/engine/negotiation.py", "mpitrain/engine/engine.py"]
+MANIFEST = Path("mpitrain/engine/_compiled.py")
+
+
+def compiled_extensions() -> list:
+    """mypyc's extensions for ``COMPILED`` if ``MPITRAIN_COMPILE=1``, else none.
+
+    Also writes ``MANIFEST``: the SHA-256 of each compiled source, which the package
+    checks at import so that an extension older than its source is never run.
+    """
+    if os.environ.get("MPITRAIN_COMPILE", "0") != "1":
+        return []
+    from mypyc.build import mypycify  # needs mypy (and a C compiler)
+
+    digests = {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest()
+               for p in COMPILED}
+    MANIFEST.write_text('"""Written by setup.py when it compiled these engine modules: '
+                        'their sources\' SHA-256."""\n\nSOURCES = ' + repr(digests) + "\n",
+                        encoding="utf-8")
+    # the shared library goes into the package (group name), beside the modules
+    return mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core")
+
 
 setup(
     name="mpitrain",
     version="0.1.0",
     description="Fast, checked collectives and Horovod-style data parallelism over MPI",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=[*find_packages(include=["mpitrain", "mpitrain.*"]), "mpitrain.kernels"],
@@ -22,6 +55,7 @@ setup(
         "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7"],
         "examples": ["scikit-learn>=1.3"],
     },
+    ext_modules=compiled_extensions(),
     entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main",
                                       "mpitrain-tune = mpitrain.tune:main"]},
     classifiers=[

@@ -118,6 +118,21 @@ class SharedMemory:
         self.wait(t)
         return t
 
+    def wait_quietly(self, target: int) -> None:
+        """Like :meth:`wait`, yielding the core between tests and never calling the
+        stall hook: for waits that may legitimately be long (the async engine's
+        exchanges wait for ranks that have not submitted yet).
+
+        This loop stays in an interpreted module on purpose: the engine's modules may
+        be compiled (mypyc), and a compiled loop never lets the interpreter hand the
+        GIL to another thread, which this process's other engines may need to let
+        the ranks we wait for move on.
+        """
+        flags = self.flags
+        while min(flags) < target:
+            yield_cpu()
+        self.win.Sync()
+
     def _poll(self, target: int) -> None:
         flags = self.flags
         spin = not self.oversubscribed

@@ -2,10 +2,56 @@
 
 See :mod:`.engine` for how a cycle works, :mod:`.negotiation` for how ranks agree
 on what to run and :mod:`.fusion` for how small operations share one collective.
+
+Those modules and :mod:`.request` may be compiled to C extensions (mypyc, see
+``setup.py``); :func:`compiled` says whether they are, and importing the package
+refuses compiled modules that are older than their sources.
 """
 
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from . import engine as _engine_module
+from . import fusion as _fusion_module
+from . import negotiation as _negotiation_module
+from . import request as _request_module
 from .api import AsyncCollectives
 from .engine import Engine, EngineStats
 from .request import Handle
 
-__all__ = ["AsyncCollectives", "Engine", "EngineStats", "Handle"]
+_CORE = (_request_module, _fusion_module, _negotiation_module, _engine_module)
+
+
+def compiled() -> bool:
+    """True if the engine's core modules run as compiled extensions."""
+    return all(not str(m.__file__).endswith(".py") for m in _CORE)
+
+
+def _check_compiled() -> None:
+    """Raise ImportError if a compiled module was built from other source than the
+    ``.py`` file beside it (an edit since the last build)."""
+    built = [m for m in _CORE if not str(m.__file__).endswith(".py")]
+    if not built:
+        return
+    here = Path(__file__).parent
+    fix = ("rebuild it (make, or MPITRAIN_COMPILE=1 python setup.py build_ext --inplace) "
+           f"or delete {here}/*.so to run the sources")
+    try:
+        from ._compiled import SOURCES
+    except ImportError:
+        raise ImportError(f"mpitrain.engine: compiled modules without the manifest of "
+                          f"their sources ({here}/_compiled.py); {fix}") from None
+    for module in built:
+        name = module.__name__.rpartition(".")[2] + ".py"
+        source = here / name
+        if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != \
+                SOURCES.get(name):
+            raise ImportError(f"mpitrain.engine: the compiled {name} was built from another "
+                              f"version of {source}; {fix}")
+
+
+_check_compiled()
+
+__all__ = ["AsyncCollectives", "Engine", "EngineStats", "Handle", "compiled"]

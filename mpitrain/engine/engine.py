@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import threading
 import time
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import count
@@ -53,7 +52,7 @@ from .. import config, timeline
 from ..backends import NUMPY, ArrayBackend, backend_and_array
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
-from ..ops import ReduceOp, parse_op
+from ..ops import parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import NONAME, Negotiator, Signatures
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all
@@ -66,7 +65,7 @@ EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
 
-_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+_LIVE: set[Engine] = set()  # started and not stopped (each is kept alive by its thread)
 _lanes = iter(range(1, 1 << 30))
 
 
@@ -130,17 +129,20 @@ class Engine:
         self._running: list[Request] = []  # this cycle's submissions (progress thread only)
         self._finished = False
         self._freed = False
-        self._thread = threading.Thread(target=self._loop, daemon=True,
+        self._worker = threading.Thread(target=self._loop, daemon=True,
                                         name=f"mpitrain-engine-{self._lane}-rank{self.rank}")
-        self._thread.start()
+        self._worker.start()
         _LIVE.add(self)
 
     # -- submission (caller's thread) -------------------------------------------------
+    # The caller's values (op, name, scaling, algorithm, root, arrays) are typed Any:
+    # they are checked here, and this module may be compiled (mypyc), where an
+    # annotation is enforced at the call (a np.float32 prescale would be a TypeError).
     # Each call looks its arguments up in ``_specs``: the checks, the signature text and
     # the fusion key are made once per distinct arguments (a :class:`Spec`); a
     # submission then only checks what belongs to the array itself (writeable).
-    def allreduce(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
-                  postscale: float, algorithm: str | None, inplace: bool) -> Handle:
+    def allreduce(self, x: Any, op: Any, name: Any, prescale: Any,
+                  postscale: Any, algorithm: Any, inplace: bool) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
         be: ArrayBackend
         if type(x) is np.ndarray:  # the common case, without a conversion
@@ -159,8 +161,8 @@ class Engine:
             self.comm._check_writeable(be, arr, "allreduce_async_")  # raises
         return self._submit("allreduce", name, spec, arr, x if inplace else None)
 
-    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str, name: str | None,
-                          prescale: float, postscale: float, algorithm: str | None,
+    def grouped_allreduce(self, xs: Any, op: Any, name: Any,
+                          prescale: Any, postscale: Any, algorithm: Any,
                           inplace: bool) -> Handle:
         """Queue one allreduce of every array of ``xs``, fused (one collective per dtype)."""
         if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
@@ -179,7 +181,7 @@ class Engine:
             entries, op, prescale, postscale, algorithm, inplace))
         return self._submit("grouped_allreduce", name, spec, None, None, entries)
 
-    def allgather(self, x: Any, name: str | None, algorithm: str | None) -> Handle:
+    def allgather(self, x: Any, name: Any, algorithm: Any) -> Handle:
         """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
         be, arr = self._array(x, "allgather_async", False)
         rows = (None, *arr.shape[1:])  # None: any number of rows
@@ -194,7 +196,7 @@ class Engine:
         spec = self._known_spec(key) or self._new_spec(key, build)
         return self._submit("allgather", name, spec, arr, None)
 
-    def broadcast(self, x: Any, root: int, name: str | None, algorithm: str | None,
+    def broadcast(self, x: Any, root: Any, name: Any, algorithm: Any,
                   inplace: bool) -> Handle:
         """Queue a broadcast of the root's ``x`` (into ``x`` itself if ``inplace``)."""
         what = "broadcast_async_" if inplace else "broadcast_async"
@@ -215,8 +217,8 @@ class Engine:
             self.comm._check_writeable(be, arr, what)
         return self._submit("broadcast", name, spec, arr, x if inplace else None)
 
-    def reduce_scatter(self, x: Any, op: ReduceOp | str, name: str | None, prescale: float,
-                       postscale: float, algorithm: str | None) -> Handle:
+    def reduce_scatter(self, x: Any, op: Any, name: Any, prescale: Any,
+                       postscale: Any, algorithm: Any) -> Handle:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
         be, arr = self._array(x, "reduce_scatter_async", False)
         key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm)
@@ -256,8 +258,8 @@ class Engine:
             self._specs[key] = spec
         return spec
 
-    def _reduction_spec(self, kind: str, be: ArrayBackend, arr: Any, op: ReduceOp | str,
-                        prescale: float, postscale: float, algorithm: str | None,
+    def _reduction_spec(self, kind: str, be: ArrayBackend, arr: Any, op: Any,
+                        prescale: Any, postscale: Any, algorithm: Any,
                         inplace: bool) -> Spec:
         """The checked spec of an allreduce or reduce-scatter of arrays like ``arr``."""
         rop = parse_op(op)
@@ -270,8 +272,8 @@ class Engine:
         return Spec(kind, described, be, arr.dtype, arr.shape, rop, pre, post, algo,
                     inplace=inplace, fusion=fusion)
 
-    def _group_spec(self, entries: list[Entry], op: ReduceOp | str, prescale: float,
-                    postscale: float, algorithm: str | None, inplace: bool) -> Spec:
+    def _group_spec(self, entries: list[Entry], op: Any, prescale: Any,
+                    postscale: Any, algorithm: Any, inplace: bool) -> Spec:
         """The checked spec of a grouped allreduce of arrays like ``entries``'."""
         rop = parse_op(op)
         for entry in entries:
@@ -288,7 +290,7 @@ class Engine:
                     first.dtype if first else None, None, rop, pre, post, algo,
                     inplace=inplace, grouped=True)
 
-    def _factors(self, prescale: float, postscale: float) -> tuple[float, float]:
+    def _factors(self, prescale: Any, postscale: Any) -> tuple[float, float]:
         """The scaling factors as floats (so that ``1`` and ``1.0`` describe alike)."""
         try:
             return float(prescale), float(postscale)
@@ -296,7 +298,7 @@ class Engine:
             raise ArgumentError(f"rank {self.rank}: prescale_factor and postscale_factor must "
                                 f"be numbers, got {prescale!r} and {postscale!r}") from None
 
-    def _check_algorithm(self, collective: str, algorithm: str | None, backend: ArrayBackend,
+    def _check_algorithm(self, collective: str, algorithm: Any, backend: ArrayBackend,
                          dtype: np.dtype[Any]) -> str | None:
         """The requested algorithm, checked; ``None`` (``MPITRAIN_ALGORITHM``, read when
         the collective runs) if none was requested."""
@@ -310,7 +312,7 @@ class Engine:
             self.comm._algorithm(collective, name, 0, backend, dtype)
         return name
 
-    def _submit(self, what: str, name: str | None, spec: Spec, array: Any, output: Any,
+    def _submit(self, what: str, name: Any, spec: Spec, array: Any, output: Any,
                 entries: list[Entry] | None = None) -> Handle:
         # The request is made before taking the lock (the counter's next() is atomic).
         # Only a given name is tracked, so only its handle has one to release.
@@ -358,8 +360,8 @@ class Engine:
             self._stopping = True
             self._closed = self._closed or "has been shut down"
             self._wake()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        self._worker.join(timeout)
+        if self._worker.is_alive():
             return False
         if not self._freed:
             self._freed = True
@@ -388,10 +390,9 @@ class Engine:
                         self._cond.wait(self._cycle_seconds())
                     self._idle = False
                 with self._cycling:  # a waiting caller may be running a cycle
-                    if self._finished:
-                        break
                     # never an empty cycle: every rank would have to match it
-                    progressed = self._step() if self._has_work() else True
+                    if not self._finished:
+                        progressed = self._step() if self._has_work() else True
         except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
             self._abort(exc)
         finally:

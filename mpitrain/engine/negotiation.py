@@ -39,7 +39,7 @@ from typing import Any, Callable, Protocol, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.shm import SharedMemory, yield_cpu
+from ..comm.shm import SharedMemory
 from .request import Waiters
 
 Signatures = dict[int, str]
@@ -122,7 +122,7 @@ class Negotiator:
         self.numbers: dict[tuple[str, str], int] = {}
         self.shm = shm if shm is not None and shm.slot_bytes >= SLOT_BYTES else None
         slot_bytes = self.shm.slot_bytes if self.shm is not None else SLOT_BYTES
-        self._inline = slot_bytes - _HEAD.size
+        self._room = slot_bytes - _HEAD.size
         self._slot = np.zeros(SLOT_BYTES, np.uint8)
         self._slots = np.zeros((self.size, SLOT_BYTES), np.uint8)
 
@@ -138,7 +138,7 @@ class Negotiator:
         else:
             slot = self._slot
         _HEAD.pack_into(slot.data, 0, len(payload), int(stopping), threshold)
-        if len(payload) <= self._inline:
+        if len(payload) <= self._room:
             slot.data[_HEAD.size:_HEAD.size + len(payload)] = payload
         if shm is not None:
             target = shm.arrive()
@@ -237,7 +237,7 @@ class Negotiator:
     def _payloads(self, slots: np.ndarray[Any, Any], payload: bytes,
                   lengths: list[int]) -> list[memoryview]:
         """Every rank's payload: from the slots, or from a second exchange if any is long."""
-        if max(lengths) <= self._inline:
+        if max(lengths) <= self._room:
             start = _HEAD.size
             return [slots[r, start:start + n].data for r, n in enumerate(lengths)]
         displs = [sum(lengths[:r]) for r in range(self.size)]
@@ -292,10 +292,6 @@ class Negotiator:
 
     def _block_shm(self, target: int) -> None:
         """Wait until every rank has arrived at shared-memory barrier ``target``,
-        yielding the core (no stall warning, unlike the collectives' barriers: a rank
-        may legitimately submit much later than the others)."""
+        without a stall warning (a rank may legitimately submit much later)."""
         assert self.shm is not None
-        flags = self.shm.flags
-        while min(flags) < target:
-            yield_cpu()
-        self.shm.wait(target)  # every rank has arrived: orders the loads after the flags
+        self.shm.wait_quietly(target)

@@ -530,7 +530,7 @@ def test_free_stops_the_engine(comm: mt.Communicator) -> None:
     assert_equal_all_ranks(comm, done.wait(), np.full(3, comm.size, float), "before free")
     late = own.allreduce_async(np.ones(2), name="submitted-then-freed")
     own.free()
-    assert not engine._thread.is_alive()
+    assert not engine._worker.is_alive()
     assert_equal_all_ranks(comm, late.wait(), np.full(2, comm.size, float), "finished by free")
     if orphan is not None and comm.size > 1:
         with pytest.raises(mt.CommunicationError, match=r"rank\(s\) \[1"):
