@@ -22,7 +22,8 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # The async engine's core compiled in place with mypyc (setup.py's COMPILED; README,
-# "Compiled engine core"); rebuilt whenever one of those sources changes.
+# "Compiled engine core"); rebuilt whenever one of those sources changes. The unit
+# tests check that what the tests run is that build (tests/unit/test_engine_build.py).
 ENGINE_CORE := $(addprefix mpitrain/engine/,request.py fusion.py negotiation.py engine.py)
 $(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE)
 	MPITRAIN_COMPILE=1 $(PY) setup.py -q build_ext --inplace
@@ -31,7 +32,7 @@ $(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE)
 test: $(VENV)/.compiled unit test-mpi integration
 
 unit: $(VENV)/.compiled
-	$(PYTEST) tests/unit
+	EXPECT_COMPILED_ENGINE=1 $(PYTEST) tests/unit
 
 test-mpi: $(VENV)/.compiled
 	for n in 1 2 3 4 5; do \

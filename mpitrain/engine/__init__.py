@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import ModuleType
 
 from . import engine as _engine_module
 from . import fusion as _fusion_module
@@ -24,15 +25,20 @@ from .request import Handle
 _CORE = (_request_module, _fusion_module, _negotiation_module, _engine_module)
 
 
+def _built() -> list[ModuleType]:
+    """The core modules loaded from compiled extensions (not from ``.py`` files)."""
+    return [m for m in _CORE if not str(m.__file__).endswith(".py")]
+
+
 def compiled() -> bool:
     """True if the engine's core modules run as compiled extensions."""
-    return all(not str(m.__file__).endswith(".py") for m in _CORE)
+    return len(_built()) == len(_CORE)
 
 
 def _check_compiled() -> None:
     """Raise ImportError if a compiled module was built from other source than the
     ``.py`` file beside it (an edit since the last build)."""
-    built = [m for m in _CORE if not str(m.__file__).endswith(".py")]
+    built = _built()
     if not built:
         return
     here = Path(__file__).parent

@@ -143,7 +143,7 @@ class Negotiator:
         if shm is not None:
             target = shm.arrive()
             flags = shm.flags
-            self._wait(lambda: min(flags) >= target, lambda: self._block_shm(target))
+            self._wait(lambda: min(flags) >= target, lambda: shm.wait_quietly(target))
             slots = shm.slots[parity]  # read before this thread's next two barriers
         else:
             request = self.comm.Iallgather(self._slot, self._slots)
@@ -290,8 +290,3 @@ class Negotiator:
                 time.sleep(0)  # lets the caller's threads run
         block()
 
-    def _block_shm(self, target: int) -> None:
-        """Wait until every rank has arrived at shared-memory barrier ``target``,
-        without a stall warning (a rank may legitimately submit much later)."""
-        assert self.shm is not None
-        self.shm.wait_quietly(target)

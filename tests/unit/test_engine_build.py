@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,25 @@ def _setup_compiled() -> list[str]:
     raise AssertionError("setup.py has no COMPILED list")
 
 
+def _makefile_core() -> list[str]:
+    """The sources the Makefile rebuilds the compiled core from (``ENGINE_CORE``)."""
+    for line in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines():
+        if line.startswith("ENGINE_CORE"):
+            names = line.partition(",")[2].rpartition(")")[0].split()
+            return ["mpitrain/engine/" + n for n in names]
+    raise AssertionError("the Makefile has no ENGINE_CORE")
+
+
 def test_setup_compiles_the_modules_the_package_checks() -> None:
     core = sorted(m.__name__.replace(".", "/") + ".py" for m in eng._CORE)
     assert sorted(_setup_compiled()) == core
+    assert sorted(_makefile_core()) == core
+
+
+@pytest.mark.skipif(os.environ.get("EXPECT_COMPILED_ENGINE") != "1",
+                    reason="run outside make: either build may be loaded")
+def test_make_runs_the_compiled_core() -> None:
+    assert eng.compiled(), "make test must run the engine core that make compiled"
 
 
 def test_core_is_all_compiled_or_all_source() -> None:
