@@ -22,10 +22,12 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # The async engine's core compiled in place with mypyc (setup.py's COMPILED; README,
-# "Compiled engine core"); rebuilt whenever one of those sources changes. The unit
-# tests check that what the tests run is that build (tests/unit/test_engine_build.py).
+# "Compiled engine core") and the host gather/scatter extension (setup.py's HOSTCOPY);
+# rebuilt whenever one of those sources changes. The unit tests check that what the
+# tests run is that build (tests/unit/test_engine_build.py).
 ENGINE_CORE := $(addprefix mpitrain/engine/,request.py fusion.py negotiation.py engine.py)
-$(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE)
+HOSTCOPY := mpitrain/backends/_hostcopy.c
+$(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE) $(HOSTCOPY)
 	MPITRAIN_COMPILE=1 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
@@ -97,4 +99,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy mpitrain
 
 clean:
-	rm -rf $(VENV) build *.egg-info *.so mpitrain/engine/*.so mpitrain/engine/_compiled.py
+	rm -rf $(VENV) build *.egg-info *.so mpitrain/engine/*.so mpitrain/backends/*.so mpitrain/engine/_compiled.py

@@ -2,22 +2,25 @@
 
 ``MPITRAIN_COMPILE=1`` compiles the async engine's core (the modules in ``COMPILED``) to
 C extensions with mypyc (``pip install mypy`` first; ``make`` does this, see README,
-"Compiled engine core"). Without it the same modules run as plain Python.
+"Compiled engine core"), and builds the host gather/scatter extension (``HOSTCOPY``).
+Without it the same modules run as plain Python and host copies go through numpy.
 """
 
 import hashlib
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 COMPILED = ["mpitrain/engine/request.py", "mpitrain/engine/fusion.py",
             "mpitrain/engine/negotiation.py", "mpitrain/engine/engine.py"]
 MANIFEST = Path("mpitrain/engine/_compiled.py")
+HOSTCOPY = Path("mpitrain/backends/_hostcopy.c")
 
 
 def compiled_extensions() -> list:
-    """mypyc's extensions for ``COMPILED`` if ``MPITRAIN_COMPILE=1``, else none.
+    """mypyc's extensions for ``COMPILED`` and the ``HOSTCOPY`` extension if
+    ``MPITRAIN_COMPILE=1``, else none.
 
     Also writes ``MANIFEST``: the SHA-256 of each compiled source, which the package
     checks at import so that an extension older than its source is never run.
@@ -31,8 +34,13 @@ def compiled_extensions() -> list:
     MANIFEST.write_text('"""Written by setup.py when it compiled these engine modules: '
                         'their sources\' SHA-256."""\n\nSOURCES = ' + repr(digests) + "\n",
                         encoding="utf-8")
+    # the extension knows the digest of its source (mpitrain/backends/hostcopy.py checks it)
+    hostcopy = Extension("mpitrain.backends._hostcopy", [str(HOSTCOPY)],
+                         define_macros=[("SOURCE_SHA256", '"%s"' % hashlib.sha256(
+                             HOSTCOPY.read_bytes()).hexdigest())],
+                         extra_compile_args=["-O2"])
     # the shared library goes into the package (group name), beside the modules
-    return mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core")
+    return [*mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core"), hostcopy]
 
 
 setup(

@@ -8,6 +8,7 @@ from typing import Any, ContextManager
 import numpy as np
 
 from ..ops import ReduceOp
+from . import hostcopy
 from .base import Array
 
 _UFUNCS = {
@@ -81,8 +82,11 @@ class NumpyBackend:
         np.copyto(dst, src)
 
     def scatter(self, dsts: list[Array], rows: Array) -> None:
-        """``dsts[i][...] = rows[i]`` (item assignment, cheaper per call than
-        ``np.copyto``; the dtypes are equal, so no cast happens)."""
+        """``dsts[i][...] = rows[i]``: one call of :mod:`.hostcopy` where it applies,
+        else item assignment (cheaper per call than ``np.copyto``; the dtypes are
+        equal, so no cast happens)."""
+        if hostcopy.scatter(rows, dsts):
+            return
         for dst, row in zip(dsts, rows):
             dst[...] = row
 
@@ -116,14 +120,19 @@ class NumpyBackend:
         np.copyto(dst, src, casting="unsafe")
 
     def pack_into(self, dst: Array, parts: list[Array]) -> None:
-        """Copy flat ``parts`` one after the other into ``dst`` (one ``concatenate``)."""
+        """Copy flat ``parts`` one after the other into ``dst``: one call of
+        :mod:`.hostcopy` where it applies, else one ``concatenate``."""
         if len(parts) > 1:
-            np.concatenate(parts, axis=None, out=dst)
+            if not hostcopy.gather(dst, parts):
+                np.concatenate(parts, axis=None, out=dst)
         elif parts:
             dst[...] = parts[0]
 
     def unpack_from(self, src: Array, parts: list[Array]) -> None:
-        """Copy consecutive pieces of ``src`` into ``parts``."""
+        """Copy consecutive pieces of ``src`` into ``parts``: one call of
+        :mod:`.hostcopy` where it applies, else one assignment per part."""
+        if len(parts) > 1 and hostcopy.scatter(src, parts):
+            return
         start = 0
         for part in parts:
             part[...] = src[start:start + part.size]

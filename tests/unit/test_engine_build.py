@@ -1,4 +1,5 @@
-"""The compiled engine core: what setup.py compiles, and the stale-build guard."""
+"""The compiled engine core (and the host copy extension built with it): what setup.py
+compiles, and the stale-build guard."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import mpitrain.engine as eng
+from mpitrain.backends import hostcopy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,25 +25,33 @@ def _setup_compiled() -> list[str]:
     raise AssertionError("setup.py has no COMPILED list")
 
 
-def _makefile_core() -> list[str]:
-    """The sources the Makefile rebuilds the compiled core from (``ENGINE_CORE``)."""
+def _makefile_line(variable: str) -> str:
+    """What the Makefile assigns to ``variable``."""
     for line in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines():
-        if line.startswith("ENGINE_CORE"):
-            names = line.partition(",")[2].rpartition(")")[0].split()
-            return ["mpitrain/engine/" + n for n in names]
-    raise AssertionError("the Makefile has no ENGINE_CORE")
+        if line.startswith(variable + " :="):
+            return line.partition(":=")[2].strip()
+    raise AssertionError(f"the Makefile has no {variable}")
 
 
 def test_setup_compiles_the_modules_the_package_checks() -> None:
     core = sorted(m.__name__.replace(".", "/") + ".py" for m in eng._CORE)
     assert sorted(_setup_compiled()) == core
-    assert sorted(_makefile_core()) == core
+    # ENGINE_CORE := $(addprefix mpitrain/engine/,request.py ...): the make rebuild's inputs
+    names = _makefile_line("ENGINE_CORE").partition(",")[2].rpartition(")")[0].split()
+    assert sorted("mpitrain/engine/" + n for n in names) == core
+
+
+def test_setup_builds_the_host_copy_source_the_package_checks() -> None:
+    source = str(hostcopy.SOURCE.relative_to(ROOT))
+    assert f'HOSTCOPY = Path("{source}")' in (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert _makefile_line("HOSTCOPY") == source
 
 
 @pytest.mark.skipif(os.environ.get("EXPECT_COMPILED_ENGINE") != "1",
                     reason="run outside make: either build may be loaded")
 def test_make_runs_the_compiled_core() -> None:
     assert eng.compiled(), "make test must run the engine core that make compiled"
+    assert hostcopy.compiled(), "make test must run the host copy extension make built"
 
 
 def test_core_is_all_compiled_or_all_source() -> None:

@@ -1,0 +1,159 @@
+"""The host gather/scatter extension and the numpy backend's copies that use it."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from mpitrain.backends import NUMPY, hostcopy
+from mpitrain.dtypes import SUPPORTED_DTYPES
+
+built = pytest.mark.skipif(not hostcopy.compiled(), reason="the _hostcopy extension is not "
+                                                           "built (MPITRAIN_COMPILE=1)")
+
+
+def _values(lo: int, hi: int, dtype: Any) -> np.ndarray:
+    """lo, lo + 1, ... hi - 1 modulo a prime (exact in float16; integers wrap alike)."""
+    return (np.arange(lo, hi) % 1021).astype(dtype)
+
+
+def _parts(sizes: list[int], dtype: Any, start: int = 0) -> list[np.ndarray]:
+    """Arrays holding :func:`_values` from ``start`` on, one after the other."""
+    parts, at = [], start
+    for n in sizes:
+        parts.append(_values(at, at + n, dtype))
+        at += n
+    return parts
+
+
+@pytest.fixture(params=["extension", "numpy"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the extension's copies, then with numpy's (extension disabled)."""
+    if request.param == "extension":
+        if not hostcopy.compiled():
+            pytest.skip("the _hostcopy extension is not built")
+    else:
+        monkeypatch.setattr(hostcopy, "gather", hostcopy._unavailable)
+        monkeypatch.setattr(hostcopy, "scatter", hostcopy._unavailable)
+    return str(request.param)
+
+
+SIZES = {"uneven": [3, 1, 4, 1, 5], "empty parts": [0, 2, 0, 3, 0], "many": [2] * 300,
+         "large": [40_000, 30_000]}  # many: past the extension's stack of views
+
+
+@built
+@pytest.mark.parametrize("dtype", [str(d) for d in SUPPORTED_DTYPES if str(d) != "bfloat16"])
+@pytest.mark.parametrize("layout", list(SIZES))
+def test_gather_and_scatter_copy_every_part_in_order(layout: str, dtype: str) -> None:
+    sizes = SIZES[layout]
+    parts = _parts(sizes, dtype)
+    flat = np.zeros(sum(sizes), dtype)
+    assert hostcopy.gather(flat, parts) is True
+    np.testing.assert_array_equal(flat, _values(0, sum(sizes), dtype))
+    flat[...] = _values(7, sum(sizes) + 7, dtype)
+    assert hostcopy.scatter(flat, parts) is True
+    np.testing.assert_array_equal(np.concatenate(parts) if parts else flat, flat)
+
+
+@built
+def test_parts_of_several_dimensions_copy_in_c_order() -> None:
+    parts = [np.arange(6.0).reshape(2, 3), np.arange(6.0, 10.0).reshape(2, 1, 2)]
+    flat = np.zeros(10)
+    assert hostcopy.gather(flat, parts)
+    np.testing.assert_array_equal(flat, np.arange(10.0))
+    rows = np.arange(8.0).reshape(2, 4)  # a 2-D source, as the engine's reshaped buffer
+    dsts = [np.zeros(4), np.zeros(4)]
+    assert hostcopy.scatter(rows, dsts)
+    np.testing.assert_array_equal(np.concatenate(dsts), np.arange(8.0))
+
+
+def _untouched(call: Callable[[], bool], *arrays: np.ndarray) -> None:
+    """``call()`` returns False and leaves ``arrays`` as they were."""
+    before = [a.copy() for a in arrays]
+    assert call() is False
+    for a, b in zip(arrays, before):
+        np.testing.assert_array_equal(a, b)
+
+
+@built
+def test_what_cannot_be_copied_byte_for_byte_is_refused_without_copying() -> None:
+    parts = _parts([4, 4], np.float32, start=1)
+    flat = np.zeros(8, np.float32)
+    _untouched(lambda: hostcopy.gather(flat, [parts[0], parts[1][::2]]), flat)  # strided
+    _untouched(lambda: hostcopy.gather(flat[::2], parts[:1]), flat)  # strided flat
+    _untouched(lambda: hostcopy.gather(flat, [parts[0], parts[1].view(np.int32)]), flat)
+    _untouched(lambda: hostcopy.gather(flat, [parts[0], parts[1].astype(np.float64)]), flat)
+    _untouched(lambda: hostcopy.gather(flat, parts[:1]), flat)  # too few bytes
+    _untouched(lambda: hostcopy.gather(flat[:6], parts), flat)  # too many
+    frozen = flat.copy()
+    frozen.flags.writeable = False
+    _untouched(lambda: hostcopy.gather(frozen, parts), frozen)  # read-only destination
+    parts[1].flags.writeable = False
+    src = np.arange(8, dtype=np.float32)
+    _untouched(lambda: hostcopy.scatter(src, parts), *parts)  # a read-only part
+    if "bfloat16" in map(str, SUPPORTED_DTYPES):  # no buffer format: numpy copies it
+        import ml_dtypes
+
+        bf = [p.astype(ml_dtypes.bfloat16) for p in _parts([4, 4], np.float32)]
+        target = np.zeros(8, ml_dtypes.bfloat16)
+        _untouched(lambda: hostcopy.gather(target, bf), target)
+
+
+@built
+def test_misuse_raises() -> None:
+    with pytest.raises(TypeError, match="sequence"):
+        hostcopy.gather(np.zeros(2), 5)
+    with pytest.raises(TypeError):
+        hostcopy.scatter(np.zeros(2))
+
+
+def test_an_extension_built_from_another_source_is_refused() -> None:
+    hostcopy.check(hashlib.sha256(hostcopy.SOURCE.read_bytes()).hexdigest())  # this source
+    with pytest.raises(ImportError, match=r"_hostcopy extension was built from another "
+                                          r"version.*rebuild it \(make"):
+        hostcopy.check("0" * 64)
+
+
+@built
+def test_the_built_extension_matches_its_source() -> None:
+    assert hostcopy._EXTENSION is not None
+    assert hashlib.sha256(hostcopy.SOURCE.read_bytes()).hexdigest() == \
+        hostcopy._EXTENSION.SOURCE_SHA256
+
+
+# -- the numpy backend, with and without the extension ------------------------------
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("layout", list(SIZES))
+def test_backend_pack_and_unpack(copies: str, layout: str, strided: bool) -> None:
+    sizes = SIZES[layout]
+    holders = [np.full(2 * n, -1.0) for n in sizes]
+    parts = [h[::2] if strided else h[:n] for h, n in zip(holders, sizes)]
+    for p, v in zip(parts, _parts(sizes, np.float64)):
+        p[...] = v
+    flat = np.zeros(sum(sizes))
+    NUMPY.pack_into(flat, parts)
+    np.testing.assert_array_equal(flat, _values(0, sum(sizes), np.float64))
+    NUMPY.unpack_from(-flat, parts)
+    np.testing.assert_array_equal(np.concatenate(parts) if parts else flat, -flat)
+    if strided:  # the gaps between a strided view's elements stay untouched
+        assert all((h[1::2] == -1).all() for h in holders)
+
+
+def test_backend_pack_casts_where_dtypes_differ(copies: str) -> None:
+    flat = np.zeros(5, np.float64)
+    NUMPY.pack_into(flat, [np.arange(2, dtype=np.float32), np.arange(2, 5, dtype=np.int32)])
+    np.testing.assert_array_equal(flat, np.arange(5.0))
+
+
+@pytest.mark.parametrize("dtype", [str(d) for d in SUPPORTED_DTYPES])
+def test_backend_scatter_rows(copies: str, dtype: str) -> None:
+    rows = np.arange(12).astype(dtype).reshape(3, 4)
+    dsts = [np.zeros(4, dtype) for _ in range(3)]
+    NUMPY.scatter(dsts, rows)
+    for dst, row in zip(dsts, rows):
+        np.testing.assert_array_equal(dst, row)
