@@ -19,10 +19,11 @@ compiled modules), so an edit is never silently ignored.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from .._builds import check_source
 
 SOURCE = Path(__file__).with_name("_hostcopy.c")
 
@@ -40,12 +41,8 @@ def _load() -> ModuleType | None:
 def check(built_from: str) -> None:
     """Raise ImportError if ``built_from`` (the SHA-256 the extension was built from) is
     not that of the source beside this module (when there is one: a source checkout)."""
-    if SOURCE.exists() and hashlib.sha256(SOURCE.read_bytes()).hexdigest() != built_from:
-        raise ImportError(
-            f"mpitrain.backends: the compiled _hostcopy extension was built from another "
-            f"version of {SOURCE}; rebuild it (make, or MPITRAIN_COMPILE=1 python setup.py "
-            f"build_ext --inplace) or delete {SOURCE.parent}/_hostcopy*.so to copy with "
-            "numpy")
+    check_source("mpitrain.backends", "_hostcopy extension", SOURCE, built_from,
+                 f"delete {SOURCE.parent}/_hostcopy*.so to copy with numpy")
 
 
 def _unavailable(flat: Any, parts: Any) -> bool:

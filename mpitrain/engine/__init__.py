@@ -10,10 +10,10 @@ refuses compiled modules that are older than their sources.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from types import ModuleType
 
+from .._builds import REBUILD, check_source
 from . import engine as _engine_module
 from . import fusion as _fusion_module
 from . import negotiation as _negotiation_module
@@ -42,20 +42,16 @@ def _check_compiled() -> None:
     if not built:
         return
     here = Path(__file__).parent
-    fix = ("rebuild it (make, or MPITRAIN_COMPILE=1 python setup.py build_ext --inplace) "
-           f"or delete {here}/*.so to run the sources")
+    instead = f"delete {here}/*.so to run the sources"
     try:
         from ._compiled import SOURCES
     except ImportError:
         raise ImportError(f"mpitrain.engine: compiled modules without the manifest of "
-                          f"their sources ({here}/_compiled.py); {fix}") from None
+                          f"their sources ({here}/_compiled.py); {REBUILD} or "
+                          f"{instead}") from None
     for module in built:
         name = module.__name__.rpartition(".")[2] + ".py"
-        source = here / name
-        if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != \
-                SOURCES.get(name):
-            raise ImportError(f"mpitrain.engine: the compiled {name} was built from another "
-                              f"version of {source}; {fix}")
+        check_source("mpitrain.engine", name, here / name, SOURCES.get(name), instead)
 
 
 _check_compiled()

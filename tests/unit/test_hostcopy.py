@@ -157,3 +157,32 @@ def test_backend_scatter_rows(copies: str, dtype: str) -> None:
     NUMPY.scatter(dsts, rows)
     for dst, row in zip(dsts, rows):
         np.testing.assert_array_equal(dst, row)
+
+
+@built
+def test_the_backend_copies_contiguous_parts_through_the_extension(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy backend's copies reach the extension (and it copies) when they can."""
+    calls: list[tuple[str, bool]] = []
+
+    def spy(name: str) -> Callable[[Any, Any], bool]:
+        real = getattr(hostcopy, name)
+
+        def call(flat: Any, parts: Any) -> bool:
+            done = real(flat, parts)
+            calls.append((name, done))
+            return bool(done)
+        return call
+
+    monkeypatch.setattr(hostcopy, "gather", spy("gather"))
+    monkeypatch.setattr(hostcopy, "scatter", spy("scatter"))
+    parts = _parts([3, 5, 2], np.float32)
+    flat = np.zeros(10, np.float32)
+    NUMPY.pack_into(flat, parts)
+    NUMPY.unpack_from(flat, parts)
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    dsts = [np.zeros(4, np.float32), np.zeros(8, np.float32)[::2]]  # the second strided
+    NUMPY.scatter([dsts[0], np.zeros(4, np.float32)], rows)
+    NUMPY.scatter(dsts, rows)  # refused by the extension: numpy copies
+    np.testing.assert_array_equal(np.concatenate(dsts), rows.ravel())
+    assert calls == [("gather", True), ("scatter", True), ("scatter", True), ("scatter", False)]
