@@ -94,9 +94,14 @@ bench: $(VENV)/.compiled
 gpu-check:
 	sh benchmarks/gpu_check.sh
 
+# Style, types, and the layers: import-linter checks the contracts in pyproject.toml
+# (README, "Layers"); tools/lint_imports.py checks for import cycles and private names
+# used outside the module that defines them.
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check mpitrain benchmarks tests examples
+	$(VENV)/bin/ruff check mpitrain benchmarks tests examples tools
 	$(VENV)/bin/mypy mpitrain
+	$(VENV)/bin/lint-imports
+	$(PY) tools/lint_imports.py mpitrain benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info *.so mpitrain/engine/*.so mpitrain/backends/*.so mpitrain/engine/_compiled.py

@@ -60,7 +60,7 @@ setup(
         "torch": ["torch==2.13.0"],
         "cuda13": ["cupy-cuda13x>=13", "nvidia-cuda-nvrtc>=13,<14"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ml_dtypes>=0.3", "scikit-learn>=1.3"],
-        "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7"],
+        "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7", "import-linter>=2.1"],
         "examples": ["scikit-learn>=1.3"],
     },
     ext_modules=compiled_extensions(),

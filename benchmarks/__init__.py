@@ -6,5 +6,7 @@ Run under MPI, one collective per run::
 
 :mod:`.harness` holds the one loop (sizes, warm-up, interleaved timing, exact
 verification, table, JSON, plot); :mod:`.collectives` holds one small module of
-hooks per collective (:class:`.hooks.Collective`).
+hooks per collective (:class:`.hooks.Collective`). ``python -m benchmarks fusion``
+(:mod:`.fusion`) compares fused async allreduces with one buffer and blocking calls;
+:mod:`.common` holds what it and the harness share, and ``__main__`` picks between them.
 """

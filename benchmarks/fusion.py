@@ -5,7 +5,7 @@
 For each tensor size ``s`` from ``-b`` to ``-e`` and ``t`` tensors (``--tensors``),
 three calls on the same crafted values are timed, out of place and (unless
 ``--no-inplace``) in place, all six interleaved in one run
-(:func:`benchmarks.harness.time_calls`: barrier before each run, order rotating):
+(:func:`benchmarks.common.time_calls`: barrier before each run, order rotating):
 
 * ``fused``: ``t`` ``allreduce_async`` (``allreduce_async_``) calls of ``s`` bytes
   each, submitted back to back and then waited together, so that the engine packs
@@ -37,10 +37,10 @@ from mpi4py import MPI
 import mpitrain as mt
 from mpitrain import config
 
-from .harness import (
+from .common import (
     DTYPE_ALIASES,
     DTYPES,
-    _Parser,
+    OneRankParser,
     command_line,
     count_wrong,
     machine_info,
@@ -96,9 +96,10 @@ class FusionResult:
 
 def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
     """Parse and check the command line of ``python -m benchmarks fusion``."""
-    p = _Parser(quiet, prog="python -m benchmarks fusion",
-                description="Time many small async allreduces (fused by the engine) against "
-                            "one allreduce of the same bytes and against blocking calls.")
+    p = OneRankParser(quiet, prog="python -m benchmarks fusion",
+                      description="Time many small async allreduces (fused by the engine) "
+                                  "against one allreduce of the same bytes and against "
+                                  "blocking calls.")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("10K"),
                    help="smallest tensor size in bytes (default 10K)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("10K"),

@@ -33,75 +33,44 @@ prints the table; the process exits with 1 if any element was wrong.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import re
-import shlex
-import socket
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import mpi4py
 import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS
-from mpitrain.dtypes import SUPPORTED_DTYPES, check_op_for_dtype
+from mpitrain.dtypes import check_op_for_dtype
 from mpitrain.errors import DtypeError
 from mpitrain.ops import parse_op
 
 from . import gloo, memory
 from .arrays import ARRAYS, HostPlacement, Placement, PlacementError, placement_for
 from .collectives import COLLECTIVES
-from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Array, Call, Case, Collective, mpi_datatype
+from .common import (
+    DTYPE_ALIASES,
+    DTYPES,
+    MIN_ITERS,
+    Key,
+    OneRankParser,
+    command_line,
+    count_wrong,
+    format_size,
+    machine_info,
+    parse_size,
+    size_series,
+    time_calls,
+)
+from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Call, Case, Collective, mpi_datatype
 
 IMPLS = ("mpitrain", "mpi", "gloo")
 BASELINES = ("mpi", "gloo")
 CHECKS = {"on": True, "off": False}
-DTYPES: dict[str, np.dtype[Any]] = {str(dt): dt for dt in SUPPORTED_DTYPES}
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_SIZE = re.compile(r"(\d+)([KMG]?)B?", re.IGNORECASE)
-
-Key = tuple[str, bool]
-"""A column group of the table: (implementation label, in place)."""
-
-
-# -- sizes ----------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """Parse a byte count with an optional K, M or G suffix (powers of 1024): ``64M``."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a byte count; write e.g. 8, 1K, 64M or 1G")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact spelling of a byte count: ``64M``, ``1536``, ``3K``."""
-    for suffix in ("G", "M", "K"):
-        if nbytes >= _UNITS[suffix] and nbytes % _UNITS[suffix] == 0:
-            return f"{nbytes // _UNITS[suffix]}{suffix}"
-    return str(nbytes)
-
-
-def size_series(minbytes: int, maxbytes: int, factor: int) -> list[int]:
-    """``minbytes, minbytes*factor, ...`` up to and including ``maxbytes``."""
-    if minbytes < 1 or maxbytes < minbytes or factor < 2:
-        raise ValueError(f"need 1 <= minbytes <= maxbytes and stepfactor >= 2, got "
-                         f"-b {minbytes} -e {maxbytes} -f {factor}")
-    sizes = []
-    nbytes = minbytes
-    while nbytes <= maxbytes:
-        sizes.append(nbytes)
-        nbytes *= factor
-    return sizes
 
 
 # -- options --------------------------------------------------------------------------
@@ -141,18 +110,6 @@ class Options:
         return [False, True] if self.inplace else [False]
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser that prints (usage, errors, help) on one rank only."""
-
-    def __init__(self, quiet: bool, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.quiet = quiet
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if not self.quiet:
-            super()._print_message(message, file)
-
-
 def _comma_list(text: str) -> list[str]:
     return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
 
@@ -181,9 +138,9 @@ def make_impls(names: Sequence[str], algorithms: Sequence[str],
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks``."""
-    p = _Parser(quiet, prog="python -m benchmarks",
-                description="Time and verify mpitrain collectives against MPI's own, "
-                            "nccl-tests style. Run under mpirun.")
+    p = OneRankParser(quiet, prog="python -m benchmarks",
+                      description="Time and verify mpitrain collectives against MPI's own, "
+                                  "nccl-tests style. Run under mpirun.")
     p.add_argument("collective", choices=sorted(COLLECTIVES),
                    help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
@@ -262,64 +219,6 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
                    algorithms=a.algorithm,
                    inplace=a.inplace, json=a.json, plot=a.plot, budget=a.budget,
                    array=a.array)
-
-
-# -- timing and verification ----------------------------------------------------------
-MIN_ITERS = 3
-
-
-def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
-               barrier: Callable[[], None], budget: float = 0.0,
-               slowest: Callable[[float], float] = float) -> dict[Key, list[float]]:
-    """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
-
-    Each repetition runs every call once, the order rotated by one per repetition so
-    that no call always follows the same one. A reset and a barrier precede each
-    run; only the run is timed. With a ``budget`` (seconds), the repetitions are cut
-    to what the last warm-up round says fits in it (at least ``MIN_ITERS``);
-    ``slowest`` turns this rank's estimate into every rank's (the maximum over ranks),
-    so that every rank runs as many.
-
-    Returns:
-        This rank's seconds per run of each call.
-    """
-    keys = list(calls)
-    round_seconds = 0.0
-    for _ in range(warmup):
-        start = time.perf_counter()
-        for key in keys:
-            calls[key].reset()
-            barrier()
-            calls[key].run()
-        round_seconds = time.perf_counter() - start
-    if budget > 0 and warmup:
-        per_round = slowest(round_seconds)
-        iters = min(iters, max(MIN_ITERS, int(budget / per_round) if per_round else iters))
-    times: dict[Key, list[float]] = {key: [] for key in keys}
-    for rep in range(iters):
-        shift = rep % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            call = calls[key]
-            call.reset()
-            barrier()
-            start = time.perf_counter()
-            call.run()
-            times[key].append(time.perf_counter() - start)
-    return times
-
-
-def count_wrong(call: Call, expected: Array,
-                to_host: Callable[[Any], Array] = np.asarray) -> int:
-    """Run ``call`` once from its crafted input; count its elements unequal to ``expected``.
-
-    A result of the wrong shape or dtype counts as wholly wrong. ``to_host`` brings a
-    device result back for the comparison.
-    """
-    call.reset()
-    result = to_host(call.run())
-    if result.size != expected.size or result.dtype != expected.dtype:
-        return int(max(result.size, expected.size))
-    return int(np.count_nonzero(result.reshape(-1) != expected))
 
 
 @dataclass(frozen=True)
@@ -527,32 +426,6 @@ def average_busbw(results: Sequence[Result], labels: Sequence[str]) -> list[tupl
 
 
 # -- reproducibility: header, JSON, plot ----------------------------------------------
-def command_line(argv: Sequence[str], nranks: int) -> str:
-    """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
-    saw (glibc's malloc thresholds change native MPI's large-message times)."""
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith(("MPITRAIN_", "MALLOC_"))]
-    return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
-
-
-def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
-    """Where the run happened (collective: gathers every rank's host name)."""
-    hosts = sorted(set(world.allgather(socket.gethostname())))
-    return {
-        "mpi_library": MPI.Get_library_version().strip("\0 \n").splitlines()[0].rstrip(", "),
-        "mpi_version": "{}.{}".format(*MPI.Get_version()),
-        "ranks": world.Get_size(),
-        "hosts": hosts,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "mpi4py": mpi4py.__version__,
-        "mpitrain": mt.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-
-
 def header_block(opts: Options, command: str, machine: dict[str, Any],
                  arrays: str = "numpy (host memory)") -> list[str]:
     """The lines that say what ran where, above the table."""
@@ -662,10 +535,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 if every verified element was right, else 1.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
-        from . import fusion
-
-        return fusion.main(args[1:])
     nranks, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     opts = parse_args(args, nranks, quiet=rank != 0)
     comm = mt.Communicator(MPI.COMM_WORLD, check=True)

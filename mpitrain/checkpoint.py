@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from . import Communicator
+from .communicator import Communicator
 from .dtypes import BFLOAT16
 from .errors import CheckpointError
+from .session import default_communicator, is_initialized
 
 FORMAT = "mpitrain-checkpoint"
 VERSION = 1
@@ -184,8 +185,6 @@ def _encode_file(state: Any, per_rank: list[Any] | None, step: int) -> bytes:
 
 
 def _communicator(comm: Communicator | None) -> Communicator | None:
-    from . import default_communicator, is_initialized
-
     if comm is None and is_initialized():
         return default_communicator()
     return comm

@@ -9,7 +9,7 @@ For every collective and message size it times every algorithm this communicator
 run (the MPI library's own collective included), interleaved, and takes the median of
 each rank's times, then the maximum over ranks (``MPI_Allreduce``), so every rank holds
 the same table and picks the same winner. Neighbouring sizes with the same winner
-merge into one :class:`~mpitrain.algorithms.selection.Rule` whose byte range ends
+merge into one :class:`~mpitrain.dispatch.selection.Rule` whose byte range ends
 halfway (geometrically) between the last size it won and the first it lost. The rules
 name this rank count (``min_ranks = max_ranks``); ``--append`` keeps an existing
 file's rules for other rank counts, so one file can tune several job sizes. Rank 0
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.selection import Rule, dump_rules, load_rules
-from .comm import Communicator
+from .communicator import Communicator
 from .config import parse_size
+from .dispatch.selection import Rule, dump_rules, load_rules
 
 TUNED = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 

@@ -1,29 +1,34 @@
-"""What every algorithm is built from: a :class:`PlanRequest`.
+"""The contract of every algorithm: built from a :class:`PlanRequest`, run as a :class:`Plan`.
 
 An algorithm is a class whose constructor takes a :class:`PlanRequest` and plans
-everything (peers, chunk offsets, scratch buffers) and whose ``run()`` only moves and
-reduces data. The signatures of ``run()`` per collective:
+everything (peers, chunk offsets, scratch buffers) and whose ``run(src, out, sig,
+postscale)`` only moves and reduces data. What ``src`` and ``out`` are per collective:
 
-* allreduce: ``run(src, out)``, flat arrays of ``count`` elements, ``src`` may be ``out``;
-* reduce_scatter: ``run(src, out)``, ``out`` holds this rank's chunk;
-* allgather: ``run(block, out)``, ``out`` holds every rank's chunk;
-* broadcast: ``run(buf)``.
+* allreduce: flat arrays of ``count`` elements; ``src`` may be ``out``;
+* reduce_scatter: ``src`` the flat input, ``out`` this rank's chunk;
+* allgather: ``src`` this rank's block, ``out`` every rank's chunk;
+* broadcast: the same buffer twice (the root's data on the root, overwritten elsewhere).
 
-Class attributes that change how the communicator calls ``run()``:
+The capabilities a :class:`Plan` declares (class attributes, all ``False`` unless an
+algorithm says otherwise) tell the dispatcher how to call ``run``:
 
-* ``fuses_check = True``: the algorithm validates the call itself (its data rides the
-  validation exchange); ``run`` takes the call's
-  :class:`~mpitrain.comm.validation.Signature` (or ``None``) after the buffers;
-* ``fuses_postscale = True``: ``run`` takes the factor the result is multiplied by
-  as its last argument (and applies it itself, where it is cheapest);
-* ``takes_pieces = True``: ``src`` and ``out`` may be :class:`~.pieces.Pieces`
-  (the arrays of a fusion bucket, not packed into one buffer).
+* ``fuses_check``: the algorithm validates the call itself (its data rides the
+  validation exchange) with ``sig``; otherwise the dispatcher validates first and
+  passes ``sig=None``;
+* ``fuses_postscale``: the algorithm multiplies the result by ``postscale`` itself,
+  where it is cheapest; otherwise the dispatcher scales ``out`` after ``run``;
+* ``takes_pieces``: ``src`` and ``out`` may be :class:`~.pieces.Pieces` (the arrays
+  of a fusion bucket, not packed into one buffer);
+* ``point_to_point``: every byte moves through the transport's isend/irecv, so a
+  device transport can stand in for the host one;
+* ``needs_shared_memory``: it runs only when every rank is on one node, on host
+  buffers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 
@@ -31,9 +36,20 @@ from ..backends import ArrayBackend
 from ..comm.shm import SharedMemory
 from ..comm.topology import Topology
 from ..comm.transport import PeerTransport
-from ..comm.validation import Validator
+from ..comm.validation import Signature, Validator
 from ..ops import ReduceOp
 from .chunks import Bounds
+
+Chooser = Callable[[str, int, int, str, tuple[str, ...]], str]
+"""``choose(collective, nbytes, ranks, buffer, available)``: the algorithm, among the
+``available`` names, for a call of ``nbytes`` over ``ranks`` ranks on ``buffer``
+(``"numpy"``, ``"cupy"``) buffers."""
+
+
+def first_available(collective: str, nbytes: int, ranks: int, buffer: str,
+                    available: tuple[str, ...]) -> str:
+    """The :data:`Chooser` of a request made without one: the first available name."""
+    return available[0]
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,8 @@ class PlanRequest:
         segment_bytes: pipeline segment size (0: chosen by the algorithm).
         shm: the node's shared memory (``None`` when the ranks span nodes or it is off).
         validator: the header exchange, for algorithms that carry data in it.
+        choose: picks the algorithm of a sub-collective (the phases of a hierarchical
+            algorithm); the dispatcher passes its selection table.
     """
 
     transport: PeerTransport
@@ -65,6 +83,7 @@ class PlanRequest:
     segment_bytes: int = 0
     shm: SharedMemory | None = None
     validator: Validator | None = None
+    choose: Chooser = first_available
 
     @property
     def count(self) -> int:
@@ -81,3 +100,23 @@ class PlanRequest:
         """The reduction, for collectives that need one."""
         assert self.op is not None, "this collective does not reduce"
         return self.op
+
+
+class Plan(Protocol):
+    """A collective planned for one shape (see the module documentation).
+
+    Algorithms subclass it to inherit the capability defaults.
+    """
+
+    fuses_check: ClassVar[bool] = False
+    fuses_postscale: ClassVar[bool] = False
+    takes_pieces: ClassVar[bool] = False
+    point_to_point: ClassVar[bool] = False
+    needs_shared_memory: ClassVar[bool] = False
+
+    def __init__(self, req: PlanRequest) -> None:
+        """Plan everything the calls of ``req``'s shape need."""
+
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
+        """Move and reduce the data of one call (``sig`` and ``postscale`` as declared)."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 
 TAG = 24
 
 
-class BruckAllgather:
+class BruckAllgather(Plan):
     """Allgather by Bruck's algorithm (blocks of any length)."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -42,7 +42,8 @@ class BruckAllgather:
             d *= 2
         self.scratch = req.backend.empty(offsets[-1], req.dtype)
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         be, t, tmp = self.backend, self.transport, self.scratch
         offsets = self.offsets

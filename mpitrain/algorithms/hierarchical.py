@@ -15,9 +15,9 @@ and the local ranks above (only on larger nodes) take part inside their node onl
   exchange) for two nodes or small shards, the ring otherwise. Intra-node allgather
   of the shards. With one crossing rank per node (like Open MPI's ``coll/han``) each
   pair of nodes talks over one connection; with several, the shards cross in
-  parallel over as many connections, which on the emulated 200 Mbit TCP links
-  measured 3-10 % slower (the flows contend for the shaped link) and at 1 Gbit up to
-  8 % faster for 64 MiB; it pays where one process cannot fill a node's link.
+  parallel over as many connections, whose flows contend for the link: that pays
+  only where one process cannot fill a node's link (BENCHMARKS.md, "Multi-node",
+  measures both settings).
   Between two nodes, a large buffer is cut into *pieces* (:func:`piece_count`) that
   overlap: the shards of piece ``p`` start across nodes
   as soon as it is reduce-scattered, while piece ``p + 1`` is; a shard goes to the
@@ -55,12 +55,11 @@ from typing import Any
 from .. import config
 from ..comm.topology import Topology
 from ..comm.transport import Request, Transport
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 from .chunks import Bounds, bounds_from_counts, split_bounds
 from .native import NativeAllgather, NativeReduceScatter
 from .ring import RingAllgather, RingAllreduce, RingReduceScatter
 from .segmented_doubling import SegmentedDoublingAllreduce
-from .selection import select
 
 # Shards up to this size cross nodes by recursive doubling (fewer rounds); larger
 # ones by the ring (fewer bytes), except between two nodes, where both send the same.
@@ -93,8 +92,8 @@ def _phase(collective: str, req: PlanRequest, transport: Transport, chunks: list
                               segment_bytes=req.segment_bytes if segment_bytes is None
                               else segment_bytes)
     if algorithm is None:
-        algorithm = select(collective, sub.count * req.dtype.itemsize, transport.size,
-                           req.backend.name, tuple(_FLAT[collective]))
+        algorithm = req.choose(collective, sub.count * req.dtype.itemsize, transport.size,
+                               req.backend.name, tuple(_FLAT[collective]))
     return _FLAT[collective][algorithm](sub)
 
 
@@ -193,7 +192,7 @@ class _Piece:
         return [self.local.isend(self.as_bytes(out[lo:hi]), r, GATHER_TAG) for r in self.peers]
 
 
-class HierarchicalAllreduce:
+class HierarchicalAllreduce(Plan):
     """Intra-node reduce-scatter, inter-node allreduce per shard, intra-node allgather,
     pipelined over pieces of the buffer."""
 
@@ -206,7 +205,8 @@ class HierarchicalAllreduce:
         pieces = split_bounds(req.count, n_pieces)
         self.pieces = [_Piece(req, lo, hi) for lo, hi in pieces]
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
         _begin(self.topology, "hierarchical allreduce")
         gather: list[Request] = []
@@ -281,7 +281,7 @@ class ColumnLayout:
         return self.members[0][2] - self.members[0][1]
 
 
-class _ColumnPlan:
+class _ColumnPlan(Plan):
     """What hierarchical reduce-scatter and allgather share: layout and buffers."""
 
     def __init__(self, req: PlanRequest, collective: str) -> None:
@@ -326,7 +326,8 @@ class HierarchicalReduceScatter(_ColumnPlan):
     def __init__(self, req: PlanRequest) -> None:
         super().__init__(req, "reduce_scatter")
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = this rank's reduced chunk of ``src``."""
         _begin(self.topology, "hierarchical reduce_scatter")
         be, lay = self.backend, self.layout
@@ -360,7 +361,8 @@ class HierarchicalAllgather(_ColumnPlan):
     def __init__(self, req: PlanRequest) -> None:
         super().__init__(req, "allgather")
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         _begin(self.topology, "hierarchical allgather")
         be, lay = self.backend, self.layout

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ..backends import ArrayBackend
 from ..dtypes import mpi_reduces_natively
 from ..ops import ReduceOp
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM,
@@ -36,11 +36,23 @@ _UFUNCS = {
 }
 
 
+PREDEFINED: dict[np.dtype[Any], MPI.Datatype] = {
+    np.dtype(np.int8): MPI.INT8_T, np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.int16): MPI.INT16_T, np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.int32): MPI.INT32_T, np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.int64): MPI.INT64_T, np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX, np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+}
+"""MPI's predefined datatype of each dtype it reduces natively (its built-in operations
+accept only predefined datatypes)."""
+
+
 @functools.cache
 def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
     """An MPI datatype of one ``dt`` element (predefined where MPI has one)."""
     if mpi_reduces_natively(dt):
-        return MPI._typedict[dt.char]  # predefined: MPI's built-in ops accept only these
+        return PREDEFINED[dt]
     return MPI.BYTE.Create_contiguous(dt.itemsize).Commit()
 
 
@@ -69,7 +81,7 @@ def _spec(backend: ArrayBackend, flat: Any, count: int, dt: np.dtype[Any]) -> li
     return [backend.as_bytes(flat), count, _element_type(dt)]
 
 
-class NativeAllreduce:
+class NativeAllreduce(Plan):
     """``MPI_Allreduce`` (in place on the output)."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -78,7 +90,8 @@ class NativeAllreduce:
         self.dt = req.dtype
         self.mpi_op = _mpi_op(self.dt, req.reduction)
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         if src is not out:
             self.backend.copy_into(out, src)
@@ -87,7 +100,7 @@ class NativeAllreduce:
                                   _spec(self.backend, out, self.count, self.dt), self.mpi_op)
 
 
-class NativeReduceScatter:
+class NativeReduceScatter(Plan):
     """``MPI_Reduce_scatter`` with the blocks of :func:`~.chunks.split_bounds`."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -96,7 +109,8 @@ class NativeReduceScatter:
         self.dt = req.dtype
         self.mpi_op = _mpi_op(self.dt, req.reduction)
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = this rank's reduced block of ``src``."""
         total = sum(self.counts)
         self.transport.collective(self.comm.Reduce_scatter, self.comm.Ireduce_scatter,
@@ -105,9 +119,10 @@ class NativeReduceScatter:
                                   self.counts, self.mpi_op)
 
 
-class NativeAllgather:
-    """``MPI_Allgather`` of equal blocks, ``MPI_Allgatherv`` of blocks of different
-    lengths (Open MPI's ``Allgatherv`` is up to 2x slower for equal ones)."""
+class NativeAllgather(Plan):
+    """``MPI_Allgather`` of equal blocks (MPI libraries optimise it beyond
+    ``MPI_Allgatherv``, see BENCHMARKS.md), ``MPI_Allgatherv`` of blocks of different
+    lengths."""
 
     def __init__(self, req: PlanRequest) -> None:
         self.transport, self.backend, self.counts = req.transport, req.backend, req.counts
@@ -115,7 +130,8 @@ class NativeAllgather:
         self.displs = [lo for lo, _ in req.chunks]
         self.equal = len(set(self.counts)) == 1
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         etype = _element_type(self.dt)
         if self.equal:
@@ -130,14 +146,15 @@ class NativeAllgather:
             [self.backend.as_bytes(out), (self.counts, self.displs), etype])
 
 
-class NativeBroadcast:
+class NativeBroadcast(Plan):
     """``MPI_Bcast``."""
 
     def __init__(self, req: PlanRequest) -> None:
         self.transport, self.backend, self.count = req.transport, req.backend, req.count
         self.comm, self.root, self.dt = req.transport.comm, req.root, req.dtype
 
-    def run(self, buf: Any) -> None:
+    def run(self, buf: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """Overwrite ``buf`` on every rank with the root's ``buf``."""
         self.transport.collective(self.comm.Bcast, self.comm.Ibcast,
                                   _spec(self.backend, buf, self.count, self.dt), self.root)

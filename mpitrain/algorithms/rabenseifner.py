@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 from .butterfly import (
     Fold,
     allreduce_fold_in,
@@ -28,7 +28,7 @@ from .butterfly import (
 TAG = 22
 
 
-class RabenseifnerAllreduce:
+class RabenseifnerAllreduce(Plan):
     """Allreduce by recursive halving (reduce-scatter) and doubling (allgather)."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -41,7 +41,8 @@ class RabenseifnerAllreduce:
         scratch_len = req.count if self.fold.keeps else half
         self.scratch = req.backend.empty(scratch_len, req.dtype)
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         be, t, fold, op = self.backend, self.transport, self.fold, self.op
         if src is not out:

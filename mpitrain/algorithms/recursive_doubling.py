@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 from .butterfly import Fold, allreduce_fold_in, allreduce_fold_out, halving_steps
 
 TAG = 21
 
 
-class RecursiveDoublingAllreduce:
+class RecursiveDoublingAllreduce(Plan):
     """Allreduce by recursive doubling with the non-power-of-two fold-in."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -36,7 +36,8 @@ class RecursiveDoublingAllreduce:
         self.scratch = req.backend.empty(req.count, req.dtype)
         self.scratch_bytes = req.backend.as_bytes(self.scratch)
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out``."""
         be, t, fold, op = self.backend, self.transport, self.fold, self.op
         if src is not out:
@@ -51,7 +52,7 @@ class RecursiveDoublingAllreduce:
         allreduce_fold_out(fold, t, be, out, TAG)
 
 
-class RecursiveDoublingAllgather:
+class RecursiveDoublingAllgather(Plan):
     """Allgather by recursive doubling (blocks of any length) with the fold-in."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -64,7 +65,8 @@ class RecursiveDoublingAllgather:
         self.steps = [] if self.fold.folded else list(reversed(halving_steps(self.fold,
                                                                              req.chunks)))
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         be, t, fold = self.backend, self.transport, self.fold
         lo, hi = self.mine

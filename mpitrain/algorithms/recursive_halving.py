@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 from .butterfly import Fold, halving_steps
 
 TAG = 23
 
 
-class RecursiveHalvingReduceScatter:
+class RecursiveHalvingReduceScatter(Plan):
     """Reduce-scatter by recursive halving with the non-power-of-two fold-in."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -35,7 +35,8 @@ class RecursiveHalvingReduceScatter:
         half = max((k[1] - k[0] for _, k, _ in self.steps), default=0)
         self.scratch = be.empty(req.count if self.fold.keeps else half, dt)
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = this rank's reduced chunk of ``src``."""
         be, t, fold, op = self.backend, self.transport, self.fold, self.op
         lo, hi = self.chunks[t.rank]

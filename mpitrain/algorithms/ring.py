@@ -31,7 +31,7 @@ import numpy as np
 from ..backends import ArrayBackend
 from ..comm.transport import PeerTransport, Request
 from ..ops import ReduceOp
-from .base import PlanRequest
+from .base import Plan, PlanRequest, Signature
 from .chunks import Bounds, default_segment_bytes, segment_bounds, segment_count
 
 RS_TAG = 11
@@ -170,7 +170,7 @@ class RingSchedule:
         t.waitall(sends)
 
 
-class RingAllreduce:
+class RingAllreduce(Plan):
     """Ring allreduce of a flat buffer: reduce-scatter then all-gather, pipelined."""
 
     point_to_point = True
@@ -183,7 +183,8 @@ class RingAllreduce:
                                      req.segment_bytes)
         self.scratch = req.backend.empty(self.schedule.scratch_len, req.dtype)
 
-    def run(self, src: Any, out: Any, postscale: float = 1.0) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks) * postscale``; ``src`` may be ``out`` (in place)."""
         if self.n == 1 or self.count == 0:
             self.schedule.backend.scale_into(out, src, postscale)
@@ -201,7 +202,7 @@ class RingAllreduce:
         self.schedule.all_gather(out, owned, first_sends)
 
 
-class RingReduceScatter:
+class RingReduceScatter(Plan):
     """Ring reduce-scatter: rank ``r`` gets the reduced chunk ``r`` of the buffer."""
 
     point_to_point = True
@@ -215,7 +216,8 @@ class RingReduceScatter:
         self.scratch = be.empty(length, dt)
         self.acc = (be.empty(length, dt), be.empty(length, dt)) if self.n > 2 else ()
 
-    def run(self, src: Any, out: Any, postscale: float = 1.0) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduced chunk rank of src * postscale``; ``out`` holds exactly that chunk."""
         lo, hi = self.schedule.chunks[self.rank]
         if self.n == 1:
@@ -232,7 +234,7 @@ class RingReduceScatter:
         sched.reduce_scatter(src, dst, self.rank, self.scratch, self.op, None, postscale)
 
 
-class RingAllgather:
+class RingAllgather(Plan):
     """Ring all-gather of blocks of possibly different lengths."""
 
     point_to_point = True
@@ -243,7 +245,8 @@ class RingAllgather:
                                      req.segment_bytes)
         self.backend = req.backend
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = concatenation of every rank's ``block``."""
         lo, hi = self.schedule.chunks[self.rank]
         if hi > lo:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.transport import Request
-from .base import PlanRequest
+from .base import PlanRequest, Signature
 from .butterfly import allreduce_fold_in, allreduce_fold_out
 from .chunks import segment_count, split_bounds
 from .recursive_doubling import TAG, RecursiveDoublingAllreduce
@@ -36,7 +36,8 @@ class SegmentedDoublingAllreduce(RecursiveDoublingAllreduce):
         self.segs = split_bounds(self.count, segments)
         self.pending: tuple[Any, Any, Posted] | None = None
 
-    def run(self, src: Any, out: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks)``; ``src`` may be ``out`` (in place)."""
         self.start(src, out)
         self.finish()

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..comm.shm import SharedMemory
 from ..comm.validation import NO_PAYLOAD, Signature, Validator
-from .base import PlanRequest
+from .base import Plan, PlanRequest
 from .chunks import Bounds
 from .pieces import Pieces, read_range, write_range
 
@@ -87,8 +85,10 @@ def reduce_in_order(backend: Any, dst: Any, operands: list[Any], op: Any) -> Non
         backend.reduce_into(dst, dst, other, op)
 
 
-class _ShmPlan:
+class _ShmPlan(Plan):
     """What every shared-memory plan starts from."""
+
+    needs_shared_memory = True
 
     def __init__(self, req: PlanRequest) -> None:
         self.shm, self.validator = _parts(req)
@@ -141,7 +141,8 @@ class ShmAllreduce(_ShmPlan):
         self.res = [[_views(self.shm, self.dt, c, (2 * n + p) * wb, width) for c in range(n)]
                     for p in range(2)]
 
-    def run(self, src: Any, out: Any, sig: Signature | None, postscale: float = 1.0) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks) * postscale``; ``src`` may be ``out``."""
         be, count = self.backend, self.count
         if self.small:
@@ -233,7 +234,8 @@ class ShmReduceScatter(_ShmPlan):
         self.stripes = Stripes(req.chunks, width)
         self.stage = self.stage_views(width)
 
-    def run(self, src: Any, out: Any, sig: Signature | None) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = this rank's reduced chunk of ``src``."""
         be, op = self.backend, self.op
         if self.small:
@@ -265,12 +267,11 @@ class ShmAllgather(_ShmPlan):
     """Allgather through shared memory.
 
     The communicator exchanges row counts before choosing an algorithm, and a rank
-    whose block fits its slot already put it there (:func:`offer_block`); if every
+    whose block fits its slot already put it there
+    (:meth:`~mpitrain.comm.shm.SharedMemory.offer`); if every
     rank did, ``run`` only copies the slots. Otherwise blocks go through the arena
     in stripes, one barrier per round.
     """
-
-    fuses_check = False
 
     def __init__(self, req: PlanRequest) -> None:
         super().__init__(req)
@@ -284,7 +285,8 @@ class ShmAllgather(_ShmPlan):
         self.stage = [[_views(shm, dt, q, p * wb, width) for q in range(self.n)]
                       for p in range(2)]
 
-    def run(self, block: Any, out: Any) -> None:
+    def run(self, block: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """``out`` = every rank's block; call right after the row-count exchange."""
         be, shm, r = self.backend, self.shm, self.rank
         mine, mine_hi = self.chunks[r]
@@ -310,15 +312,6 @@ class ShmAllgather(_ShmPlan):
                     be.copy_into(out[lo:hi], self.stage[p][q][:hi - lo])
 
 
-def offer_block(shm: SharedMemory, block_bytes: Any) -> int:
-    """Put an allgather block in this rank's next slot if it fits; its size or NO_PAYLOAD."""
-    nbytes = block_bytes.size
-    if nbytes > shm.slot_bytes:
-        return NO_PAYLOAD
-    np.copyto(shm.slot(shm.next_parity, shm.rank)[:nbytes], block_bytes)
-    return int(nbytes)
-
-
 class ShmBroadcast(_ShmPlan):
     """Broadcast through shared memory: the root writes, everyone else reads."""
 
@@ -335,7 +328,8 @@ class ShmBroadcast(_ShmPlan):
         wb = self.stripes.width * dt.itemsize
         self.stage = [_views(shm, dt, self.root, p * wb, self.stripes.width) for p in range(2)]
 
-    def run(self, buf: Any, sig: Signature | None) -> None:
+    def run(self, buf: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """Overwrite ``buf`` with the root's ``buf``."""
         be, shm, is_root = self.backend, self.shm, self.rank == self.root
         if self.small:

@@ -15,38 +15,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import DtypeError
-from .base import Array, ArrayBackend
+from .base import Array, ArrayBackend, is_device_array
 from .numpy_backend import NumpyBackend
 
 NUMPY = NumpyBackend()
 _BACKENDS: list[ArrayBackend] = []
 
-# DLPack device types of memory a CUDA kernel can address: kDLCUDA, kDLCUDAManaged.
-_DLPACK_CUDA = (2, 13)
-
-
 def register(backend: ArrayBackend) -> None:
     """Add a backend consulted before numpy (device backends register themselves)."""
     if backend not in _BACKENDS:
         _BACKENDS.append(backend)
-
-
-def is_device_array(obj: object) -> bool:
-    """True for CUDA device arrays, recognised without importing any GPU library."""
-    if type(obj).__module__.split(".")[0] == "cupy":
-        return True
-    try:
-        if hasattr(obj, "__cuda_array_interface__"):
-            return True
-    except Exception:  # torch raises RuntimeError for tensors that require grad
-        pass
-    dlpack_device = getattr(obj, "__dlpack_device__", None)
-    if dlpack_device is None or isinstance(obj, np.ndarray):
-        return False
-    try:
-        return int(dlpack_device()[0]) in _DLPACK_CUDA
-    except Exception:  # a producer that cannot say where its memory is: not ours
-        return False
 
 
 def _device_backend(obj: object) -> ArrayBackend:

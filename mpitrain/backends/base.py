@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, ContextManager, Protocol, runtime_checkable
 
+import numpy as np
+
 from ..ops import ReduceOp
 
 Array = Any  # numpy.ndarray or cupy.ndarray; the backend knows which
@@ -101,3 +103,25 @@ class ArrayBackend(Protocol):
 
     def device(self) -> Any:
         """The current device as a :class:`~.device.Device` (device backends only)."""
+
+
+# DLPack device types of memory a CUDA kernel can address: kDLCUDA, kDLCUDAManaged.
+_DLPACK_CUDA = (2, 13)
+
+
+def is_device_array(obj: object) -> bool:
+    """True for CUDA device arrays, recognised without importing any GPU library."""
+    if type(obj).__module__.split(".")[0] == "cupy":
+        return True
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises RuntimeError for tensors that require grad
+        pass
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is None or isinstance(obj, np.ndarray):
+        return False
+    try:
+        return int(dlpack_device()[0]) in _DLPACK_CUDA
+    except Exception:  # a producer that cannot say where its memory is: not ours
+        return False

@@ -25,8 +25,8 @@ import cupy
 import numpy as np
 
 from ..ops import ReduceOp
-from . import is_device_array, kernels
-from .base import Array
+from . import kernels
+from .base import Array, is_device_array
 from .numpy_backend import scale_integer
 
 _UFUNCS = {

@@ -1,7 +1,13 @@
-"""The comm layer: communicator, transport and topology."""
+"""The comm layer: what the algorithms sit on.
 
-from .communicator import Communicator
+The transport on a private duplicated communicator (:mod:`.transport`) and its stall
+inspector (:mod:`.inspector`), the node's shared memory (:mod:`.shm`), the node
+split (:mod:`.topology`), cross-rank validation (:mod:`.validation`), object
+collectives (:mod:`.objects`) and the device transports that stage through pinned
+host memory (:mod:`.staging`).
+"""
+
 from .topology import Topology
 from .transport import Transport
 
-__all__ = ["Communicator", "Topology", "Transport"]
+__all__ = ["Topology", "Transport"]

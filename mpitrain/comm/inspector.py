@@ -32,15 +32,27 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import config
 
-if TYPE_CHECKING:
-    from .transport import Transport
+
+class Watched(Protocol):
+    """What an :class:`Inspector` reads of its transport (:class:`~.transport.Transport`)."""
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    seq: int
+    """Collectives begun."""
+    current: str
+    """The collective begun last."""
+    waiting: bool
+    """True while the transport waits inside a collective."""
+
 
 log = logging.getLogger("mpitrain")
 
@@ -120,7 +132,7 @@ class Inspector:
     ``MPITRAIN_STALL_ACTION`` once, here.
     """
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Watched) -> None:
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.warning_s = config.STALL_WARNING_S.get()

@@ -35,6 +35,8 @@ from mpi4py import MPI
 HEADER_WORDS = 4
 """int64 words of a slot header: fingerprint, row count, payload bytes, spare."""
 FP, ROWS, PAYLOAD = 0, 1, 2
+NO_PAYLOAD = -1
+"""A header's payload field when the rank left no data in its slot."""
 CACHE_LINE = 64
 
 StallHook = Callable[[float, list[int]], None]
@@ -157,6 +159,18 @@ class SharedMemory:
     def slot(self, parity: int, rank: int) -> Any:
         """The payload bytes of ``rank``'s slot at ``parity``."""
         return self.slots[parity, rank]
+
+    def offer(self, data: Any) -> int:
+        """Put ``data`` (bytes, a uint8 array) in this rank's next slot if it fits.
+
+        Returns:
+            Its size in bytes, for the header's payload field, or :data:`NO_PAYLOAD`.
+        """
+        nbytes = data.size
+        if nbytes > self.slot_bytes:
+            return NO_PAYLOAD
+        np.copyto(self.slot(self.next_parity, self.rank)[:nbytes], data)
+        return int(nbytes)
 
     def free(self) -> None:
         """Release the window (collective)."""

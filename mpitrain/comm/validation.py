@@ -29,10 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError
-from .shm import FP, HEADER_WORDS, PAYLOAD, ROWS, SharedMemory
+from .shm import FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
 from .transport import Transport
 
-NO_PAYLOAD = -1
 _FP_MASK = (1 << 63) - 1
 
 

@@ -36,6 +36,7 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
+from .. import session
 from .recovery import abandon, rank_failure, rebuild
 from .state import State
 
@@ -51,11 +52,9 @@ def recover(state: State) -> None:
     Collective over the survivors. Raises if another failure interrupts the agreement
     (call it again: :func:`run` does).
     """
-    import mpitrain
-
-    old = mpitrain.default_communicator()
+    old = session.default_communicator()
     comm = rebuild(old)
-    mpitrain._replace_default(comm)
+    session.replace_default(comm)
     commits = comm.allgather_object(state.commits)
     newest = max(commits)
     if min(commits) == newest:
@@ -78,9 +77,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
-        import mpitrain
-
-        comm = mpitrain.init()
+        comm = session.init()
         if not (comm.rank == 0 and state.load_checkpoint()):
             state.adopt(state.capture(), state.commits)
         state.sync(root=0)
@@ -91,7 +88,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 if rank_failure(exc) is None:
                     raise
                 log.warning("mpitrain elastic: rank %d lost a peer (%s); recovering",
-                            mpitrain.rank(), exc)
+                            session.rank(), exc)
             while True:
                 try:
                     recover(state)

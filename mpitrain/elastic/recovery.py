@@ -32,7 +32,8 @@ from typing import cast
 
 from mpi4py import MPI
 
-from ..comm import Communicator
+from ..communicator import Communicator
+from ..dispatch import Dispatcher
 
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
                              MPI.ERR_REVOKED})
@@ -54,12 +55,17 @@ def rank_failure(exc: BaseException | None) -> MPI.Exception | None:
 
 def abandon(comm: Communicator) -> None:
     """Revoke every private communicator of ``comm`` (and of its async engine, whose
-    thread then fails what is in flight) and stop its stall inspector."""
-    engine = getattr(comm, "_engine", None)
-    if engine is not None:
-        abandon(engine.comm)
-    topology = comm.topology
-    transports = (comm.transport, topology.local, topology.cross)
+    thread then fails what is in flight) and stop their stall inspectors."""
+    dispatchers = [comm.dispatcher]
+    if comm.engine_started:
+        dispatchers.append(comm.engine().dispatcher)
+    for dispatcher in dispatchers:
+        _revoke(dispatcher)
+
+
+def _revoke(dispatcher: Dispatcher) -> None:
+    topology = dispatcher.topology
+    transports = (dispatcher.transport, topology.local, topology.cross)
     for mpi_comm in (topology.local_comm, topology.cross_comm,
                      *(t.comm for t in transports), *(t.inspector.comm for t in transports)):
         if mpi_comm is not None and mpi_comm != MPI.COMM_NULL:
@@ -102,7 +108,7 @@ def _remember(survivors: MPI.Intracomm) -> None:
 def rebuild(old: Communicator) -> Communicator:
     """A new communicator of the survivors of ``old`` (collective over the survivors)."""
     abandon(old)
-    parent = old.transport.comm
+    parent = old.mpi_comm
     while True:
         shrunk = cast(MPI.Intracomm, parent.Shrink())
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)

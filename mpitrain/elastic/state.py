@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import checkpoint
 from ..errors import ArgumentError
+from ..session import default_communicator
 
 _RESERVED = frozenset({"commit", "restore", "sync", "commits", "register_reset_callbacks",
                        "checkpoint", "checkpoint_every", "entries"})
@@ -160,8 +162,6 @@ class State:
         self._commits += 1
         self._snapshot = self.capture()
         if self._checkpoint and self._commits % self._every == 0:
-            from .. import checkpoint
-
             checkpoint.save(self._checkpoint, {"commits": self._commits,
                                                "entries": to_arrays(self._snapshot)},
                             step=self._commits)
@@ -180,8 +180,6 @@ class State:
         """Adopt the newest durable checkpoint, if ``checkpoint`` has one (local, no MPI)."""
         if not self._checkpoint:
             return False
-        from .. import checkpoint
-
         path = checkpoint.latest(self._checkpoint)
         if path is None:
             return False
@@ -204,8 +202,6 @@ class State:
 
     def sync(self, root: int = 0) -> None:
         """Every rank takes rank ``root``'s last commit (collective, default communicator)."""
-        from .. import default_communicator
-
         comm = default_communicator()
         mine = (self._commits, self._snapshot) if comm.rank == root else None
         commits, snapshot = comm.broadcast_object(mine, root=root)

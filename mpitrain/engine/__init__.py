@@ -18,7 +18,6 @@ from . import engine as _engine_module
 from . import fusion as _fusion_module
 from . import negotiation as _negotiation_module
 from . import request as _request_module
-from .api import AsyncCollectives
 from .engine import Engine, EngineStats
 from .request import Handle
 
@@ -56,4 +55,4 @@ def _check_compiled() -> None:
 
 _check_compiled()
 
-__all__ = ["AsyncCollectives", "Engine", "EngineStats", "Handle", "compiled"]
+__all__ = ["Engine", "EngineStats", "Handle", "compiled"]

@@ -12,10 +12,11 @@ engine's progress thread, which loops over *cycles*:
    every rank;
 5. finish their handles.
 
-The thread works on its own :class:`~mpitrain.Communicator` (a duplicate of the
-caller's), so it never interferes with blocking calls the caller makes meanwhile, and
-it reuses that communicator's algorithm selection, plans and scaling. Blocking calls
-never go through the engine.
+The thread works through its own :class:`~mpitrain.dispatch.Dispatcher` (on a
+duplicate of the caller's communicator), so it never interferes with blocking calls
+the caller makes meanwhile, and it gets the same argument checks, algorithm
+selection, plans and scaling as blocking calls. Blocking calls never go through the
+engine.
 
 A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
 while no other thread is running one (:meth:`Engine._drive`; one lock makes the
@@ -43,22 +44,20 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import config, timeline
 from ..backends import NUMPY, ArrayBackend, backend_and_array
+from ..dispatch import Dispatcher
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import NONAME, Negotiator, Signatures
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all
-
-if TYPE_CHECKING:
-    from ..comm.communicator import Communicator
 
 _SPEC_CACHE_SIZE = 4096
 EXIT_TIMEOUT_S = 30.0
@@ -92,27 +91,25 @@ class Engine:
     """The progress thread of one communicator and the submission calls that feed it.
 
     Args:
-        owner: the communicator whose async calls this engine serves; the engine
-            duplicates it (collective).
+        comm: the communicator whose async calls this engine serves; the engine's
+            dispatcher duplicates it (collective).
+        check, shared_memory: as for :class:`~mpitrain.dispatch.Dispatcher`.
     """
 
-    def __init__(self, owner: Communicator) -> None:
+    def __init__(self, comm: MPI.Intracomm, *, check: bool | None = None,
+                 shared_memory: bool | None = None) -> None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise CommunicationError(
-                f"rank {owner.rank}: async operations need MPI_THREAD_MULTIPLE, but MPI was "
-                "initialised with a lower thread level; leave mpi4py.rc.thread_level at its "
-                "default ('multiple')")
-        from ..comm.communicator import Communicator  # the comm layer imports this module
-
-        # the owner's choices of validation and shared memory carry over
-        self.comm = Communicator(owner.mpi_comm, check=owner._check,
-                                 shared_memory=owner.shm is not None)
-        self.rank, self.size = self.comm.rank, self.comm.size
+                f"rank {comm.Get_rank()}: async operations need MPI_THREAD_MULTIPLE, but MPI "
+                "was initialised with a lower thread level; leave mpi4py.rc.thread_level at "
+                "its default ('multiple')")
+        self.dispatcher = Dispatcher(comm, check=check, shared_memory=shared_memory)
+        self.rank, self.size = self.dispatcher.rank, self.dispatcher.size
         self.stats = EngineStats()
         self._waiters = Waiters(self._drive)
-        self._negotiator = Negotiator(self.comm.mpi_comm, self._cycle_seconds(), self._waiters,
-                                      self.comm.shm)
-        self._runner = BucketRunner(self.comm)
+        self._negotiator = Negotiator(self.dispatcher.mpi_comm, self._cycle_seconds(),
+                                      self._waiters, self.dispatcher.shm)
+        self._runner = BucketRunner(self.dispatcher)
         self._lane = next(_lanes)
         self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
         self._lock = threading.Lock()  # guards the submission state below
@@ -158,7 +155,7 @@ class Engine:
             spec = self._new_spec(key, lambda: self._reduction_spec(
                 "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
         if inplace and not be.is_writeable(arr):  # tested here first: no call per submission
-            self.comm._check_writeable(be, arr, "allreduce_async_")  # raises
+            self.dispatcher.check_writeable(be, arr, "allreduce_async_")  # raises
         return self._submit("allreduce", name, spec, arr, x if inplace else None)
 
     def grouped_allreduce(self, xs: Any, op: Any, name: Any,
@@ -173,7 +170,7 @@ class Engine:
         for x in xs:
             be, arr = self._array(x, what, inplace)
             if inplace:
-                self.comm._check_writeable(be, arr, what)
+                self.dispatcher.check_writeable(be, arr, what)
             entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
         arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
         key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
@@ -189,7 +186,7 @@ class Engine:
 
         def build() -> Spec:
             check_dtype(arr.dtype, rank=self.rank)
-            algo = self._check_algorithm("allgather", algorithm, be, arr.dtype)
+            algo = self.dispatcher.check_algorithm("allgather", algorithm, be, arr.dtype)
             described = describe(("allgather", None, arr.dtype, rows, 1.0, 1.0, algo, 0))
             return Spec("allgather", described, be, arr.dtype, rows, algorithm=algo)
 
@@ -204,9 +201,9 @@ class Engine:
         key = ("broadcast", be, arr.dtype, arr.shape, root, algorithm, inplace)
 
         def build() -> Spec:
-            self.comm._check_root(root)
+            self.dispatcher.check_root(root)
             check_dtype(arr.dtype, rank=self.rank)
-            algo = self._check_algorithm("broadcast", algorithm, be, arr.dtype)
+            algo = self.dispatcher.check_algorithm("broadcast", algorithm, be, arr.dtype)
             described = describe(("broadcast", None, arr.dtype, arr.shape, 1.0, 1.0, algo,
                                   int(root)))
             return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
@@ -214,7 +211,7 @@ class Engine:
 
         spec = self._known_spec(key) or self._new_spec(key, build)
         if inplace:
-            self.comm._check_writeable(be, arr, what)
+            self.dispatcher.check_writeable(be, arr, what)
         return self._submit("broadcast", name, spec, arr, x if inplace else None)
 
     def reduce_scatter(self, x: Any, op: Any, name: Any, prescale: Any,
@@ -263,9 +260,9 @@ class Engine:
                         inplace: bool) -> Spec:
         """The checked spec of an allreduce or reduce-scatter of arrays like ``arr``."""
         rop = parse_op(op)
-        self.comm._check_reducible(arr, rop)
+        self.dispatcher.check_reducible(arr, rop)
         pre, post = self._factors(prescale, postscale)
-        algo = self._check_algorithm(kind, algorithm, be, arr.dtype)
+        algo = self.dispatcher.check_algorithm(kind, algorithm, be, arr.dtype)
         described = describe((kind, rop.value, arr.dtype, arr.shape, pre, post, algo, 0))
         fusion = fusion_key(be.name, arr.dtype, rop.value, pre, post, algo) \
             if kind == "allreduce" else ""
@@ -277,11 +274,11 @@ class Engine:
         """The checked spec of a grouped allreduce of arrays like ``entries``'."""
         rop = parse_op(op)
         for entry in entries:
-            self.comm._check_reducible(entry.array, rop)
+            self.dispatcher.check_reducible(entry.array, rop)
         pre, post = self._factors(prescale, postscale)
         algo = None
         if entries:
-            algo = self._check_algorithm("allreduce", algorithm, entries[0].backend,
+            algo = self.dispatcher.check_algorithm("allreduce", algorithm, entries[0].backend,
                                          entries[0].dtype)
         arrays = tuple((e.dtype, e.array.shape) for e in entries)
         described = describe(("grouped_allreduce", rop.value, None, arrays, pre, post, algo, 0))
@@ -297,20 +294,6 @@ class Engine:
         except (TypeError, ValueError):
             raise ArgumentError(f"rank {self.rank}: prescale_factor and postscale_factor must "
                                 f"be numbers, got {prescale!r} and {postscale!r}") from None
-
-    def _check_algorithm(self, collective: str, algorithm: Any, backend: ArrayBackend,
-                         dtype: np.dtype[Any]) -> str | None:
-        """The requested algorithm, checked; ``None`` (``MPITRAIN_ALGORITHM``, read when
-        the collective runs) if none was requested."""
-        if algorithm is None:
-            return None
-        if not isinstance(algorithm, str):
-            raise ArgumentError(f"rank {self.rank}: algorithm must be a name (a string) or "
-                                f"None, got {algorithm!r}")
-        name = algorithm.lower()
-        if name != "auto":
-            self.comm._algorithm(collective, name, 0, backend, dtype)
-        return name
 
     def _submit(self, what: str, name: Any, spec: Spec, array: Any, output: Any,
                 entries: list[Entry] | None = None) -> Handle:
@@ -365,7 +348,7 @@ class Engine:
             return False
         if not self._freed:
             self._freed = True
-            self.comm.free()
+            self.dispatcher.free()
         _LIVE.discard(self)
         return True
 

@@ -10,28 +10,26 @@ size. Buckets run in the order they were opened.
 
 :class:`BucketRunner` runs a bucket: pack -> prescale -> collective -> postscale ->
 unpack, where the middle three are one call of the engine's
-:class:`~mpitrain.Communicator`, so fused buffers get the same algorithm selection,
-plan cache and scaling as blocking calls. The fusion buffer is a new array per
+:class:`~mpitrain.dispatch.Dispatcher`, so fused buffers get the same algorithm
+selection, plan cache and scaling as blocking calls. The fusion buffer is a new array per
 bucket (one ``concatenate``, which also flattens and makes contiguous); out-of-place
-results are views of it. Where the communicator's algorithm takes
+results are views of it. Where the dispatcher's algorithm takes
 :class:`~mpitrain.algorithms.pieces.Pieces` (the shared-memory allreduce, on one
 node), nothing is packed: the algorithm reads the arrays themselves and writes the
 results into them (in place) or into a new buffer (out of place), which saves one
 or two copies of the bucket. A bucket of one entry skips the fusion buffer and calls
-the communicator on the entry's own array.
+the dispatcher on the entry's own array.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..algorithms.pieces import Pieces
+from ..dispatch import Dispatcher
 from .request import Request, Spec
-
-if TYPE_CHECKING:
-    from ..comm.communicator import Communicator
 
 Phase = tuple[str, float, float]  # (name, start, end) in perf_counter seconds
 
@@ -107,14 +105,14 @@ def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
 
 
 class BucketRunner:
-    """Runs buckets on the engine's private communicator.
+    """Runs buckets through the engine's dispatcher.
 
     Args:
-        comm: the engine's private communicator.
+        dispatcher: the engine's own dispatcher (on its private communicator).
     """
 
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
 
     def run(self, bucket: Bucket) -> list[Phase]:
         """Run ``bucket``, store each entry's output, and return the timed phases."""
@@ -123,28 +121,32 @@ class BucketRunner:
         request, entry = bucket.items[0]
         spec = request.spec
         start = _begin(bucket)
-        c, a = self.comm, entry.array
+        d, a = self.dispatcher, entry.array
+        nbytes = a.nbytes  # the size the algorithm is chosen by (allgather: the output's)
         if spec.kind == "allreduce":
             args = (spec.op, spec.algorithm, spec.prescale, spec.postscale)
             if spec.inplace:
-                c.allreduce_(a, *args)
+                d.allreduce_(a, *args)
             else:
-                entry.output = c.allreduce(a, *args)
+                entry.output = d.allreduce(a, *args)
         elif spec.kind == "reduce_scatter":
-            entry.output = c.reduce_scatter(a, spec.op, spec.algorithm, spec.prescale,
+            entry.output = d.reduce_scatter(a, spec.op, spec.algorithm, spec.prescale,
                                             spec.postscale)
         elif spec.kind == "allgather":
-            entry.output = c.allgather(a, spec.algorithm)
+            entry.output = d.allgather(a, spec.algorithm)
+            nbytes = entry.output.nbytes
         elif spec.inplace:
-            c.broadcast_(a, spec.root, spec.algorithm)
+            d.broadcast_(a, spec.root, spec.algorithm)
         else:
-            entry.output = c.broadcast(a, spec.root, spec.algorithm)
-        return [(self._collective_name(spec), start, time.perf_counter())]
+            entry.output = d.broadcast(a, spec.root, spec.algorithm)
+        # the dispatcher's choice is memoized: asking again names the algorithm that ran
+        algorithm = d.algorithm(spec.kind, spec.algorithm, nbytes, entry.backend, a.dtype)
+        return [(self._collective_name(spec, algorithm), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
         """Reduce the bucket's arrays as one flat buffer and hand out the results.
 
-        Where the communicator's algorithm takes :class:`Pieces` (shared memory, no
+        Where the dispatcher's algorithm takes :class:`Pieces` (shared memory, no
         prescale), the arrays go to it as they are: in place, the results land in
         them; out of place, in one new buffer. Otherwise they are packed into a new
         buffer that is reduced in place. Out-of-place results are views of the buffer
@@ -165,7 +167,7 @@ class BucketRunner:
             [request.spec.inplace for request, _ in items])
         pieces = None
         if inplace is not None and spec.prescale == 1.0 \
-                and self.comm._takes_pieces(spec.algorithm, bucket.nbytes, be, dt):
+                and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes, be, dt):
             pieces = _as_pieces(be, arrays, row is not None, inplace)
         if pieces is None:
             src = buf = be.concatenate(arrays)
@@ -173,16 +175,19 @@ class BucketRunner:
             src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
         start = _begin(bucket)
         with be.scope(arrays[0]):  # buffers the engine made: none of allreduce_'s checks
-            self.comm._allreduce_flat(be, src, buf, dt, spec.op, spec.algorithm,
-                                      spec.prescale, spec.postscale)
+            algorithm = self.dispatcher.allreduce_flat(be, src, buf, dt, spec.op,
+                                                       spec.algorithm, spec.prescale,
+                                                       spec.postscale)
         unpacking = time.perf_counter()
         if not isinstance(buf, Pieces):  # (in place on pieces: already in the arrays)
             _hand_out(be, items, arrays, buf, row)
-        return [("PACK", packing, start), (self._collective_name(spec), start, unpacking),
+        return [("PACK", packing, start),
+                (self._collective_name(spec, algorithm), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]
 
-    def _collective_name(self, spec: Spec) -> str:
-        return f"{spec.kind.upper()}({self.comm.last_algorithm})"
+    @staticmethod
+    def _collective_name(spec: Spec, algorithm: str) -> str:
+        return f"{spec.kind.upper()}({algorithm})"
 
 
 def _all_or_none(flags: list[bool]) -> bool | None:

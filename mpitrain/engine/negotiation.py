@@ -16,8 +16,8 @@ number, the same on every rank because numbers are handed out in ``ready`` order
 later announcements of the pair send the number instead of the two strings. Generated
 names never repeat, so they are never numbered; instead, a run of them (consecutive
 ``<kind>.noname.<n>`` of one spec, as a burst of unnamed submissions makes) is sent as
-one ``[kind, first n, count, signature]`` item: 100 unnamed allreduces of one spec are a
-payload of 110 bytes to write, compare and read instead of 2.7 kB of 100 pairs. A cycle
+one ``[kind, first n, count, signature]`` item, whatever the length of the run, instead
+of one (name, signature) pair per request. A cycle
 is one exchange of a fixed-size *slot* per rank (payload length, stop flag,
 threshold, and the payload itself when it fits): through the communicator's
 shared-memory slots (64 KiB) when all ranks are on one node, else one

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import checkpoint
+from .. import checkpoint, session
 from ..trainer.broadcast import ArrayKind
 from .tensors import as_buffer, from_buffer
 
@@ -73,10 +73,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
     Returns:
         The :class:`~mpitrain.checkpoint.Checkpoint` (``state["extra"]`` is ``extra``).
     """
-    import mpitrain as mt
-
-    if rank is None and mt.is_initialized():
-        rank = mt.rank()
+    if rank is None and session.is_initialized():
+        rank = session.rank()
     ckpt = checkpoint.load(path, rank=rank)
     model.load_state_dict(to_tensors(ckpt.state["model"]))
     if optimizer is not None:

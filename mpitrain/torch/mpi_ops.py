@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-import mpitrain as mt
-
+from .. import session
+from ..communicator import Communicator
 from ..errors import ArgumentError, MismatchError
 from ..ops import ReduceOp
 from ..trainer.compression import Compression
@@ -45,7 +45,7 @@ _JOIN_TAG = 0x4A4F  # on the adapter's own duplicate communicator
 class _Control:
     """The adapter's own duplicate communicator (alltoall, join) and its owner."""
 
-    owner: mt.Communicator
+    owner: Communicator
     comm: MPI.Intracomm
 
 
@@ -54,7 +54,7 @@ _control_comm: _Control | None = None
 
 def init(comm: MPI.Intracomm | None = None) -> None:
     """Initialise mpitrain over ``comm`` (default ``MPI.COMM_WORLD``); idempotent."""
-    mt.init(comm)
+    session.init(comm)
 
 
 def shutdown() -> None:
@@ -65,42 +65,42 @@ def shutdown() -> None:
     if _control_comm is not None:
         _control_comm.comm.Free()
         _control_comm = None
-    mt.shutdown()
+    session.shutdown()
 
 
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
-    return mt.is_initialized()
+    return session.is_initialized()
 
 
 def size() -> int:
     """Number of ranks."""
-    return mt.size()
+    return session.size()
 
 
 def rank() -> int:
     """This process's rank."""
-    return mt.rank()
+    return session.rank()
 
 
 def local_size() -> int:
     """Number of ranks on this node."""
-    return mt.local_size()
+    return session.local_size()
 
 
 def local_rank() -> int:
     """This process's rank among the ranks of its node."""
-    return mt.local_rank()
+    return session.local_rank()
 
 
 def cross_size() -> int:
     """Number of nodes (ranks sharing this local rank)."""
-    return mt.cross_size()
+    return session.cross_size()
 
 
 def cross_rank() -> int:
     """This node's index (rank among the ranks sharing this local rank)."""
-    return mt.cross_rank()
+    return session.cross_rank()
 
 
 def mpi_threads_supported() -> bool:
@@ -133,8 +133,8 @@ def nccl_built() -> int:
     return 0
 
 
-def _comm() -> mt.Communicator:
-    return mt.default_communicator()
+def _comm() -> Communicator:
+    return session.default_communicator()
 
 
 def _control() -> MPI.Intracomm:

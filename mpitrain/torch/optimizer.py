@@ -21,8 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-import mpitrain as mt
-
+from .. import session
 from ..errors import ArgumentError
 from ..ops import ReduceOp
 from ..trainer.broadcast import broadcast_arrays, broadcast_tree
@@ -214,7 +213,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
             raise ArgumentError(f"broadcast_parameters: {name or i!r} is a "
                                 f"{type(tensor).__name__}, not a tensor")
         named.append((f"param.{name if name is not None else i}", as_buffer(tensor)))
-    broadcast_arrays(named, root=root_rank, comm=mt.default_communicator())
+    broadcast_arrays(named, root=root_rank, comm=session.default_communicator())
 
 
 def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
@@ -223,7 +222,7 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
     Works for any optimizer with ``state_dict()``/``load_state_dict()``, also when the
     other ranks' state is still empty (state created lazily on the first step).
     """
-    comm = mt.default_communicator()
+    comm = session.default_communicator()
     state = broadcast_tree(optimizer.state_dict(), root=root_rank, comm=comm, kind=TENSORS,
                            name="optimizer")
     if comm.rank != root_rank:

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .. import Communicator, default_communicator
+from ..communicator import Communicator
 from ..errors import ArgumentError
+from ..session import default_communicator
 
 
 def resolve(comm: Communicator | None) -> Communicator:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import ArgumentError
+from ..session import default_communicator
 
 
 class DistributedSampler:
@@ -37,8 +38,6 @@ class DistributedSampler:
                  rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
-            from .. import default_communicator
-
             comm = default_communicator()
             num_replicas = comm.size if num_replicas is None else num_replicas
             rank = comm.rank if rank is None else rank

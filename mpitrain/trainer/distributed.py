@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import Communicator
+from ..communicator import Communicator
 from ..ops import ReduceOp
 from .compression import Compression
 from .reducer import DistributedOptimizerBase, GradientReducer

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import Communicator
+from ..communicator import Communicator
 from ..errors import ArgumentError, MismatchError
 from .broadcast import resolve
 

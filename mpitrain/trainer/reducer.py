@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
-from .. import Communicator
+from ..communicator import Communicator
 from ..errors import ArgumentError
 from ..ops import ReduceOp, parse_op
 from .broadcast import resolve

@@ -27,12 +27,12 @@ from helpers import (
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS as REGISTERED
-from mpitrain.algorithms import NEEDS_SHARED_MEMORY
+from mpitrain.algorithms import REGISTRY
 from mpitrain.backends import NUMPY
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 # Across hosts only the algorithms that do not need one node's shared memory run.
-ALGORITHMS = {c: tuple(a for a in algos if a not in NEEDS_SHARED_MEMORY)
+ALGORITHMS = {c: tuple(a for a in algos if not REGISTRY[c][a].needs_shared_memory)
               for c, algos in REGISTERED.items()}
 IDS = [f"{d}-{o.value}" for d, o in CASES]
 
@@ -113,7 +113,7 @@ def test_auto_goes_hierarchical_across_nodes(comm: mt.Communicator) -> None:
     """auto picks hierarchical for a large allreduce when the job spans nodes, on every
     rank alike, and gets the same bits as the flat ring."""
     count = 1 << 20
-    name = comm._algorithm("allreduce", "auto", count * 4, NUMPY, np.dtype(np.float32))
+    name = comm.dispatcher.algorithm("allreduce", "auto", count * 4, NUMPY, np.dtype(np.float32))
     spans = comm.topology.node_count > 1
     assert_all_ranks(comm, (name == "hierarchical") == spans, f"auto chose {name}")
     assert_all_ranks(comm, len(set(comm.allgather_object(name))) == 1, "ranks disagree")
@@ -136,7 +136,8 @@ def test_shared_memory_algorithms_refuse_several_hosts(comm: mt.Communicator,
             "reduce_scatter": lambda a: comm.reduce_scatter(x, algorithm=a),
             "allgather": lambda a: comm.allgather(x, algorithm=a),
             "broadcast": lambda a: comm.broadcast(x, algorithm=a)}[collective]
-    for algorithm in sorted(NEEDS_SHARED_MEMORY & set(REGISTERED[collective])):
+    for algorithm in sorted(a for a in REGISTERED[collective]
+                            if REGISTRY[collective][a].needs_shared_memory):
         with pytest.raises(ValueError, match=f"the {algorithm} {collective} needs every rank "
                                              "on one node"):
             call(algorithm)

@@ -132,7 +132,7 @@ def test_negotiation_without_shared_memory(comm: mt.Communicator) -> None:
     for long announcements): names in different orders, fusion, and a mismatch."""
     c = mt.Communicator(comm.mpi_comm, shared_memory=False)
     try:
-        assert c.shm is None
+        assert not c.shared_memory
         names = [f"plain/{i:03d}/" + "y" * 120 for i in range(60)]  # past the 4 KiB slot
         order = list(range(len(names)))[::-1 if c.rank % 2 else 1]
         handles = {i: c.allreduce_async(np.full(5, i, np.float64), name=names[i])
@@ -140,7 +140,7 @@ def test_negotiation_without_shared_memory(comm: mt.Communicator) -> None:
         for i in range(len(names)):
             assert_equal_all_ranks(c, handles[i].wait(), np.full(5, i * c.size, np.float64),
                                    names[i][:10])
-        assert c._async_engine().comm.shm is None
+        assert c.engine().dispatcher.shm is None
         bad = c.allreduce_async(np.ones(3, np.float32 if c.rank else np.float64), name="bad")
         with pytest.raises(mt.MismatchError, match="different arguments"):
             bad.wait()

@@ -72,8 +72,8 @@ Emulated = tuple[mt.Communicator, list[int]]
 def with_nodes(comm: MPI.Intracomm, ids: list[int]) -> mt.Communicator:
     """A communicator over ``comm`` whose nodes are the ranks with equal ``ids``."""
     c = mt.Communicator(comm, shared_memory=False)  # emulated nodes share no memory
-    c.topology.free()
-    c.topology = Topology.from_node_ids(c.mpi_comm, ids[c.rank])
+    c.dispatcher.topology.free()
+    c.dispatcher.topology = Topology.from_node_ids(c.mpi_comm, ids[c.rank])
     return c
 
 
@@ -187,7 +187,7 @@ def test_auto_across_nodes(emulated: Emulated) -> None:
     every rank runs the same algorithm."""
     c, _ = emulated
     x = crafted(c.rank, 1 << 20, "float32", mt.Sum)
-    name = c._algorithm("allreduce", "auto", x.nbytes, NUMPY, x.dtype)
+    name = c.dispatcher.algorithm("allreduce", "auto", x.nbytes, NUMPY, x.dtype)
     assert_all_ranks(c, (name == "hierarchical") == (c.topology.node_count > 1), name)
     assert_all_ranks(c, len(set(c.allgather_object(name))) == 1, "ranks disagree")
     assert_equal_all_ranks(c, c.allreduce(x), reference(c.size, 1 << 20, "float32", mt.Sum),
@@ -200,7 +200,7 @@ def test_recursive_doubling(comm: mt.Communicator, dtype: str) -> None:
     """The inter-node allreduce on its own, at every rank count (folds when not 2**k)."""
     for segment in (0, 40):
         for count in (0, 1, comm.size - 1, 1001):
-            req = PlanRequest(comm.transport, comm.topology, NUMPY, np.dtype(dtype),
+            req = PlanRequest(comm.dispatcher.transport, comm.topology, NUMPY, np.dtype(dtype),
                               mt.Sum, ((0, count),), 0, segment)
             plan = SegmentedDoublingAllreduce(req)
             x = crafted(comm.rank, count, dtype, mt.Sum)

@@ -12,6 +12,7 @@ from helpers import assert_all_ranks
 torch = pytest.importorskip("torch")
 import mpitrain as mt  # noqa: E402
 import mpitrain.torch as hvd  # noqa: E402
+from mpitrain import session  # noqa: E402
 from mpitrain.torch.tensors import as_buffer  # noqa: E402
 
 
@@ -333,7 +334,7 @@ def test_broadcast_parameters_and_optimizer_state() -> None:
 @pytest.mark.mpi(min_size=2)
 def test_shutdown_and_init_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a communicator of its own, so the suite's communicator stays alive."""
-    monkeypatch.setattr(mt, "_default", None)
+    monkeypatch.setattr(session, "_default", None)
     assert not hvd.is_initialized()
     with pytest.raises(RuntimeError, match="init"):
         hvd.size()

@@ -11,7 +11,7 @@ from helpers import assert_all_ranks
 
 import mpitrain as mt
 from mpitrain import tune
-from mpitrain.algorithms import selection
+from mpitrain.dispatch import selection
 
 
 @pytest.mark.mpi(min_size=1)

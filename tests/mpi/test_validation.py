@@ -126,7 +126,7 @@ def test_check_switch(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
 
     x = np.ones(100_000, np.float32)
     env.setenv("MPITRAIN_CHECK", "0")
-    env.setattr(comm.validator, "exchange", refuse)
+    env.setattr(comm.dispatcher.validator, "exchange", refuse)
     for algorithm in ("ring", "mpi", "rabenseifner"):
         assert_equal_all_ranks(comm, comm.allreduce(x, algorithm=algorithm),
                                x * comm.size, f"unchecked {algorithm}")
@@ -136,7 +136,7 @@ def test_check_switch(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
     env.undo()
     unchecked = mt.Communicator(MPI.COMM_WORLD, check=False)
     try:
-        env.setattr(unchecked.validator, "exchange", refuse)
+        env.setattr(unchecked.dispatcher.validator, "exchange", refuse)
         assert_equal_all_ranks(unchecked, unchecked.allreduce(x, algorithm="ring"),
                                x * comm.size, "check=False")
     finally:

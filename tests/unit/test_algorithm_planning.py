@@ -110,7 +110,7 @@ def test_mismatch_message_names_ranks_and_values() -> None:
 
 def test_selection_by_dtype_and_availability(tmp_path: pytest.TempPathFactory,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpitrain.algorithms import selection
+    from mpitrain.dispatch import selection
 
     monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
     both = ("ring", "mpi", "shm")
@@ -126,7 +126,8 @@ def test_selection_by_dtype_and_availability(tmp_path: pytest.TempPathFactory,
 
 
 def test_default_rules_name_registered_algorithms_and_cover_every_size() -> None:
-    from mpitrain.algorithms import ALGORITHMS, selection
+    from mpitrain.algorithms import ALGORITHMS
+    from mpitrain.dispatch import selection
 
     for rule in selection.DEFAULT_RULES:
         assert rule.algorithm in ALGORITHMS[rule.collective], rule

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import mpitrain as mt
-from benchmarks import gloo, harness, memory, report
+from benchmarks import common, gloo, harness, memory, report
 from benchmarks.collectives import COLLECTIVES
 from benchmarks.hooks import Case
 
@@ -156,8 +156,8 @@ def test_budget_cuts_repetitions_but_not_below_three() -> None:
     from benchmarks.hooks import Call, no_reset
 
     slow = Call(lambda: clock.sleep(0.01), no_reset)
-    times = harness.time_calls({("a", False): slow}, iters=50, warmup=1, barrier=lambda: None,
-                               budget=0.05)
-    assert harness.MIN_ITERS <= len(times[("a", False)]) <= 6
-    times = harness.time_calls({("a", False): slow}, iters=4, warmup=1, barrier=lambda: None)
+    times = common.time_calls({("a", False): slow}, iters=50, warmup=1, barrier=lambda: None,
+                              budget=0.05)
+    assert common.MIN_ITERS <= len(times[("a", False)]) <= 6
+    times = common.time_calls({("a", False): slow}, iters=4, warmup=1, barrier=lambda: None)
     assert len(times[("a", False)]) == 4

@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import mpitrain as mt
-from benchmarks import harness
+from benchmarks import common, fusion, harness
 from benchmarks.collectives import COLLECTIVES
 from benchmarks.hooks import Array, Call, Case, crafted, no_reset, reduced
 from mpitrain.algorithms import ALGORITHMS
@@ -54,22 +54,22 @@ def make_case(name: str, count: int, dtype: np.dtype[Any], op: str, rank: int,
     (" 16 ", 16), ("0", 0),
 ])
 def test_parse_size(text: str, value: int) -> None:
-    assert harness.parse_size(text) == value
+    assert common.parse_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "M", "1.5K", "-8", "8T", "1 K", "K1"])
 def test_parse_size_rejects_what_is_not_a_byte_count(text: str) -> None:
     with pytest.raises(ValueError, match="not a byte count"):
-        harness.parse_size(text)
+        common.parse_size(text)
 
 
 @pytest.mark.parametrize("text", ["8", "1K", "64M", "1536", "3K", "1G", "1000"])
 def test_format_size_spells_sizes_back(text: str) -> None:
-    assert harness.format_size(harness.parse_size(text)) == text
+    assert common.format_size(common.parse_size(text)) == text
 
 
 def test_size_series_doubles_from_min_to_max_inclusive() -> None:
-    sizes = harness.size_series(8, 64 << 20, 2)
+    sizes = common.size_series(8, 64 << 20, 2)
     assert sizes[0] == 8 and sizes[-1] == 64 << 20 and len(sizes) == 24
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
 
@@ -82,13 +82,13 @@ def test_size_series_doubles_from_min_to_max_inclusive() -> None:
 ])
 def test_size_series_stops_at_the_last_size_not_above_max(
         minbytes: int, maxbytes: int, factor: int, expected: list[int]) -> None:
-    assert harness.size_series(minbytes, maxbytes, factor) == expected
+    assert common.size_series(minbytes, maxbytes, factor) == expected
 
 
 @pytest.mark.parametrize(("minbytes", "maxbytes", "factor"), [(0, 8, 2), (16, 8, 2), (8, 64, 1)])
 def test_size_series_rejects_bad_ranges(minbytes: int, maxbytes: int, factor: int) -> None:
     with pytest.raises(ValueError, match="stepfactor"):
-        harness.size_series(minbytes, maxbytes, factor)
+        common.size_series(minbytes, maxbytes, factor)
 
 
 # -- hooks: bus factors, counts -------------------------------------------------------
@@ -130,7 +130,7 @@ def test_count_rounds_down_and_size_is_the_real_byte_count(
 @pytest.mark.parametrize("name", ["reduce_scatter", "allgather"])
 def test_block_collectives_round_to_whole_blocks(name: str, nranks: int) -> None:
     coll = COLLECTIVES[name]
-    for nbytes in harness.size_series(8, 1 << 16, 2):
+    for nbytes in common.size_series(8, 1 << 16, 2):
         for itemsize in (1, 2, 4, 8):
             count = coll.count(nbytes, itemsize, nranks)
             size = coll.size(count, itemsize, nranks)
@@ -221,30 +221,30 @@ def test_count_wrong_counts_every_wrong_element() -> None:
         result[[0, 7, 49]] += 1
         return result
 
-    assert harness.count_wrong(Call(three_wrong, no_reset), expected) == 3
-    assert harness.count_wrong(Call(expected.copy, no_reset), expected) == 0
+    assert common.count_wrong(Call(three_wrong, no_reset), expected) == 3
+    assert common.count_wrong(Call(expected.copy, no_reset), expected) == 0
 
 
 def test_count_wrong_catches_a_rank_that_did_not_reduce() -> None:
     coll = COLLECTIVES["allreduce"]
     case = make_case("allreduce", 1000, np.dtype("int32"), "sum", 0, 3)
     data, expected = coll.make_input(case), coll.expected(case)
-    wrong = harness.count_wrong(Call(lambda: data, no_reset), expected)
+    wrong = common.count_wrong(Call(lambda: data, no_reset), expected)
     assert wrong == np.count_nonzero(data != expected) > 800
 
 
 def test_count_wrong_counts_a_wrong_shape_or_dtype_as_wholly_wrong() -> None:
     expected = np.arange(10, dtype=np.float32)
-    assert harness.count_wrong(Call(lambda: expected[:-1], no_reset), expected) == 10
-    assert harness.count_wrong(Call(lambda: expected.astype(np.float64), no_reset),
-                               expected) == 10
+    assert common.count_wrong(Call(lambda: expected[:-1], no_reset), expected) == 10
+    assert common.count_wrong(Call(lambda: expected.astype(np.float64), no_reset),
+                              expected) == 10
 
 
 def test_count_wrong_resets_before_running() -> None:
     expected = np.arange(4, dtype=np.int32)
     buf = np.zeros(4, dtype=np.int32)
     call = Call(lambda: buf, lambda: np.copyto(buf, expected))
-    assert harness.count_wrong(call, expected) == 0
+    assert common.count_wrong(call, expected) == 0
 
 
 # -- one-rank runs of every hook ------------------------------------------------------
@@ -347,6 +347,53 @@ def test_bad_options_exit_with_usage(extra: list[str]) -> None:
 def test_min_of_complex_is_refused() -> None:
     with pytest.raises(SystemExit):
         harness.parse_args(["allreduce", "-d", "complex64", "-o", "min"], nranks=1, quiet=True)
+
+
+@pytest.mark.parametrize(("argv", "status"), [(["-h"], 0), (["--bogus"], 2), (["-n", "x"], 2)])
+@pytest.mark.parametrize("quiet", [True, False])
+def test_one_rank_parser_prints_on_rank_0_only_and_exits_on_every_rank(
+        argv: list[str], status: int, quiet: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = common.OneRankParser(quiet, prog="bench")
+    parser.add_argument("-n", type=int, default=1)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == status
+    out, err = capsys.readouterr()
+    if quiet:
+        assert (out, err) == ("", "")
+    elif status == 0:
+        assert out.startswith("usage: bench") and err == ""
+    else:
+        assert out == "" and err.startswith("usage: bench") and "bench: error: " in err
+
+
+@pytest.mark.parametrize(("parse", "status"), [
+    (lambda: harness.parse_args(["allreduce", "-h"], nranks=1, quiet=True), 0),
+    (lambda: harness.parse_args(["allreduce", "-n", "0"], nranks=1, quiet=True), 2),
+    (lambda: fusion.parse_args(["-h"], quiet=True), 0),
+    (lambda: fusion.parse_args(["-t", "0"], quiet=True), 2),
+])
+def test_benchmark_parsers_are_silent_off_rank_0(
+        parse: Any, status: int, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse()
+    assert exited.value.code == status
+    assert capsys.readouterr() == ("", "")
+
+
+def test_main_module_sends_fusion_to_its_case_and_the_rest_to_the_harness(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import __main__ as entry
+
+    seen: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(fusion, "main", lambda args: seen.append(("fusion", args)) or 5)
+    monkeypatch.setattr(harness, "main", lambda args: seen.append(("harness", args)) or 6)
+    assert entry.main(["fusion", "-t", "3"]) == 5
+    assert entry.main(["allreduce", "fusion"]) == 6
+    monkeypatch.setattr("sys.argv", ["python -m benchmarks", "broadcast", "-n", "2"])
+    assert entry.main() == 6
+    assert seen == [("fusion", ["-t", "3"]), ("harness", ["allreduce", "fusion"]),
+                    ("harness", ["broadcast", "-n", "2"])]
 
 
 def test_table_row_shows_ratio_and_na() -> None:

