@@ -45,9 +45,13 @@ test-mpi: $(VENV)/.compiled
 integration: $(VENV)/.compiled
 	timeout 900 $(PYTEST) tests/integration
 
-# 10,000 randomized collectives at 2..5 ranks, each checked against numpy (not in `test`).
+# Randomized collectives, each checked against numpy (not in `test`): 10,000 at 2..5
+# ranks with shared memory, then 10,000 without it (MPITRAIN_SHM=0, the path --elastic
+# takes); 4 and 5 ranks run five jobs each, with different seeds.
+SOAK_RANKS := 2,3,4,5,4,5,4,5,4,5,4,5
 soak: $(VENV)/.compiled
-	timeout 3600 $(PY) tests/soak.py --ranks 2,3,4,5 --total 10000
+	timeout 3600 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 10000
+	MPITRAIN_SHM=0 timeout 3600 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 10000
 
 # Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
 test-cluster: $(VENV)/.compiled

@@ -12,7 +12,8 @@ every line prefixed with the rank, and then ends the job:
   and they go on without this rank (see :mod:`mpitrain.elastic`).
 
 ``sys.exit(code)`` is not an exception in this sense (Python calls no hook): a rank
-that exits on its own while the others wait still hangs the job.
+that exits on its own while the others wait is caught by the exit guard
+(:mod:`mpitrain.comm.exitguard`) instead.
 """
 
 from __future__ import annotations

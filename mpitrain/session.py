@@ -13,6 +13,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import excepthook
+from .comm import exitguard
 from .communicator import Communicator
 from .engine import Handle
 from .errors import NotInitializedError
@@ -24,14 +25,18 @@ _default: Communicator | None = None
 def init(comm: MPI.Intracomm | None = None) -> Communicator:
     """Create the default communicator (a duplicate of ``comm``, default COMM_WORLD).
 
-    Idempotent: later calls return the same communicator. Also installs the hook that
-    ends the whole job when a rank dies of an uncaught exception (see
-    :mod:`mpitrain.excepthook`; ``MPITRAIN_ABORT_ON_EXCEPTION=0`` opts out).
+    Idempotent: later calls return the same communicator. Also installs the hooks that
+    end the whole job when a rank dies of an uncaught exception
+    (:mod:`mpitrain.excepthook`) or exits while other ranks wait for it in a collective
+    (:mod:`mpitrain.comm.exitguard`, when ``comm`` spans every rank);
+    ``MPITRAIN_ABORT_ON_EXCEPTION=0`` opts out of both.
     """
     global _default
     excepthook.install()
     if _default is None:
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
+        if _default.size == MPI.COMM_WORLD.Get_size():  # every rank is here: collective
+            exitguard.install()
     return _default
 
 

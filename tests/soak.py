@@ -64,7 +64,8 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
     segments = SMALL_SEGMENTS if count <= 4096 else LARGE_SEGMENTS
     os.environ["MPITRAIN_SEGMENT_BYTES"] = str(segments[rng.integers(len(segments))])
     base = kind.rstrip("_").removesuffix("_out")
-    algorithms = ("auto", *ALGORITHMS.get(base, ()))
+    # the ones this communicator runs (no shm under MPITRAIN_SHM=0 or across nodes)
+    algorithms = ("auto", *(comm.algorithms(base) if base in ALGORITHMS else ()))
     algorithm = str(rng.choice(algorithms))
     what = f"{kind} {dtype}[{count}] {algorithm} seg={os.environ['MPITRAIN_SEGMENT_BYTES']}"
 

@@ -345,3 +345,9 @@ class _Server:
 
 _SERVER = _Server()
 atexit.register(_SERVER.stop)  # runs before mpi4py finalizes MPI
+
+
+def live_inspectors() -> list[Inspector]:
+    """The inspectors the daemon serves now (every communicator that can be surveyed)."""
+    with _SERVER.lock:
+        return list(_SERVER.inspectors)

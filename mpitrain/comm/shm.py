@@ -94,6 +94,9 @@ class SharedMemory:
         self.oversubscribed = n > cores
         self.stall_hook: StallHook | None = None
         self.stall_seconds = 60.0
+        # An object whose ``waiting`` is True while a barrier waits (the transport: the
+        # stall inspector serves that flag to the other ranks).
+        self.waiter: Any = None
 
     @property
     def next_parity(self) -> int:
@@ -140,17 +143,24 @@ class SharedMemory:
         spin = not self.oversubscribed
         polls = 0
         start = 0.0
-        while min(flags) < target:
-            polls += 1
-            if not spin or polls > 64:
-                yield_cpu()
-            if polls & 0x3FFF == 0:
-                now = time.monotonic()
-                if start == 0.0:
-                    start = now
-                elif self.stall_hook is not None and now - start >= self.stall_seconds:
-                    self.stall_hook(now - start, self.missing(target))
-                    start = now
+        waiter = self.waiter
+        if waiter is not None:
+            waiter.waiting = True
+        try:
+            while min(flags) < target:
+                polls += 1
+                if not spin or polls > 64:
+                    yield_cpu()
+                if polls & 0x3FFF == 0:
+                    now = time.monotonic()
+                    if start == 0.0:
+                        start = now
+                    elif self.stall_hook is not None and now - start >= self.stall_seconds:
+                        self.stall_hook(now - start, self.missing(target))
+                        start = now
+        finally:
+            if waiter is not None:
+                waiter.waiting = False
 
     def missing(self, target: int) -> list[int]:
         """Ranks that have not arrived at barrier ``target`` yet."""

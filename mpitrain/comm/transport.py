@@ -180,7 +180,9 @@ class Transport:
             self.waiting = False
 
     def watch(self, shm: SharedMemory) -> None:
-        """Report stalls in the barriers of ``shm``, which spin on memory, not in MPI."""
+        """Report stalls in the barriers of ``shm``, which spin on memory, not in MPI;
+        a barrier that waits raises :attr:`waiting` like an MPI wait."""
+        shm.waiter = self
         limits = [s for s in (self.inspector.warning_s, self.inspector.timeout_s) if s > 0]
         if limits:
             shm.stall_seconds = min(limits) / 4

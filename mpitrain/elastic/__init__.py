@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
-from .. import session
+from .. import config, excepthook, session
 from .recovery import abandon, rank_failure, rebuild
 from .state import State
 
-__all__ = ["State", "abandon", "rank_failure", "rebuild", "recover", "run"]
+__all__ = ["State", "abandon", "leave", "rank_failure", "rebuild", "recover", "run"]
 
 log = logging.getLogger("mpitrain")
 T = TypeVar("T")
@@ -84,6 +84,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         while True:
             try:
                 return func(state, *args, **kwargs)
+            except SystemExit as exc:  # sys.exit() inside training: this rank leaves
+                leave(exc)
             except Exception as exc:
                 if rank_failure(exc) is None:
                     raise
@@ -98,3 +100,19 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                         raise
 
     return wrapper
+
+
+def leave(exc: SystemExit) -> NoReturn:
+    """``sys.exit()`` inside an elastic run on this rank only: a rank failure.
+
+    Under ULFM (``MPITRAIN_ELASTIC=1``) the rank kills itself with SIGKILL, as for an
+    uncaught exception, so that the survivors recover without it instead of waiting
+    for it; otherwise the exit proceeds (and the exit guard ends a job whose other ranks
+    wait for this one, see :mod:`mpitrain.comm.exitguard`).
+    """
+    if config.ELASTIC.get():
+        log.warning("mpitrain elastic: rank %d called sys.exit(%r) inside the elastic run; "
+                    "killing it so that the other ranks recover without it",
+                    session.rank(), exc.code)
+        excepthook.end_job()
+    raise exc

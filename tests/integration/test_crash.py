@@ -1,4 +1,5 @@
-"""An uncaught exception on one rank ends the whole job within seconds, under plain python."""
+"""An uncaught exception on one rank, or one rank exiting while the others wait for it,
+ends the whole job within seconds, under plain python."""
 
 from __future__ import annotations
 
@@ -26,3 +27,26 @@ def test_uncaught_exception_aborts_the_job(tmp_path: Path, where: str) -> None:
     assert "finished all steps" not in result.out
     if where == "thread":
         assert "in thread 'loader'" in result.out
+
+
+@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_rank_that_exits_early_aborts_the_job(tmp_path: Path, code: int, shm: str) -> None:
+    """``sys.exit`` on one rank while the others wait in a collective (through shared
+    memory or MPI): the exit guard names it and ends the job."""
+    args = [str(JOBS / "crash.py"), str(tmp_path), "1", "exit", str(code)]
+    result = run(mpirun(3, args, MPITRAIN_SHM=shm), TIMEOUT_S)
+    ended = time.time()
+    assert result.rc not in (0, -1), result.out
+    exited = float((tmp_path / "raised").read_text())
+    assert ended - exited < ENDS_WITHIN_S, f"the job took {ended - exited:.1f} s to end"
+    assert "mpitrain: rank 1 is exiting after collective #" in result.out
+    assert "waits in allreduce" in result.out
+    assert "finished all steps" not in result.out
+
+
+def test_ranks_that_finish_at_different_times_exit_normally() -> None:
+    """The exit guard waits for ranks that are still computing: no false abort."""
+    result = run(mpirun(3, [str(JOBS / "uneven_exit.py")]), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert result.out.count("finished all steps") == 3

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from jobrun import JOBS, finish, launcher, start
 
 sys.path.insert(0, str(JOBS))
@@ -63,6 +64,22 @@ def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> No
         np.testing.assert_allclose(log["final"], want, rtol=1e-12)
         np.testing.assert_allclose(log["final"], final, rtol=1e-12)
     assert "resumes from commit" in result.out
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_sys_exit_inside_the_run_is_a_rank_failure(tmp_path: Path, code: int) -> None:
+    """Under --elastic a rank that calls sys.exit() mid-training (any status) is lost
+    like a killed one: the others recover and finish with the right result."""
+    result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), "--exit-at", "2", "10", str(code)])),
+                    TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert f"rank 2 called sys.exit({code}) inside the elastic run" in result.out
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in (0, 1, 3):
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["step"] for r in log["resumed"]] == [10] and log["size"] == 3
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
 
 
 def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:

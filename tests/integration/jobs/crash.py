@@ -1,9 +1,10 @@
-"""A rank that dies of an uncaught exception while the others are in collectives.
+"""A rank that dies of an uncaught exception, or exits, while the others are in collectives.
 
-Usage: crash.py OUT_DIR RANK [thread]
+Usage: crash.py OUT_DIR RANK [thread | exit CODE]
 
-RANK raises ValueError at step 5 (in a thread of its own with ``thread``), after
-writing the time to ``OUT_DIR/raised``; every rank reduces every 10 ms meanwhile.
+RANK raises ValueError at step 5 (in a thread of its own with ``thread``; with ``exit``
+it calls ``sys.exit(CODE)`` instead), after writing the time to ``OUT_DIR/raised``;
+every rank reduces every 10 ms meanwhile.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ def fail(step: int) -> None:
 
 def main() -> None:
     out, victim = sys.argv[1], int(sys.argv[2])
-    in_thread = len(sys.argv) > 3
+    in_thread = sys.argv[3:4] == ["thread"]
+    exit_code = int(sys.argv[4]) if sys.argv[3:4] == ["exit"] else None
     comm = mt.init()
     x = np.ones(100)
     for step in range(3000):
         if comm.rank == victim and step == 5:
             with open(os.path.join(out, "raised"), "w") as f:
                 f.write(repr(time.time()))
+            if exit_code is not None:
+                sys.exit(exit_code)
             if in_thread:
                 worker = threading.Thread(target=fail, args=(step,), name="loader")
                 worker.start()

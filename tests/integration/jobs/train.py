@@ -1,13 +1,14 @@
 """Least-squares training under mpitrain.elastic, with a rank that fails on request.
 
-Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP] [--checkpoint DIR]
-                       [--async]
+Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP]
+                       [--exit-at RANK STEP CODE] [--checkpoint DIR] [--async]
 
 Every step reduces the gradient of a fixed global batch of ``BATCH`` samples, split
 over however many ranks there are, so the trajectory does not depend on the rank
 count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
 waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
-STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0). ``--async``
+STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0); ``--exit-at``:
+that rank calls ``sys.exit(CODE)`` there instead. ``--async``
 reduces through the async engine (``allreduce_async``). Each rank
 that finishes writes ``OUT_DIR/rank<r>.json``: the step it started from, the states it
 resumed from after failures, the gradient of every step with the rank count that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--victim", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--raise-at", type=int, nargs=2, default=(-1, -1))
+    p.add_argument("--exit-at", type=int, nargs=3, default=(-1, -1, 0))
     p.add_argument("--checkpoint")
     p.add_argument("--async", dest="use_async", action="store_true")
     args = p.parse_args()
@@ -70,6 +73,8 @@ def main() -> None:
                 time.sleep(60)  # killed here by the test
             if (first_rank, state.step) == tuple(args.raise_at) and attempt == 0:
                 raise RuntimeError(f"rank {first_rank} fails at step {state.step} on purpose")
+            if (first_rank, state.step) == tuple(args.exit_at[:2]) and attempt == 0:
+                sys.exit(args.exit_at[2])
             lo = state.step * BATCH
             rows = np.array_split(np.arange(lo, lo + BATCH), comm.size)[comm.rank]
             local = gradient(x[rows], y[rows], state.params)
