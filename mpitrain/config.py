@@ -7,7 +7,9 @@ and see the change without re-importing anything.
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
@@ -168,10 +170,46 @@ CUDA_AWARE: Setting[bool | None] = Setting(
     "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
 STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
                         "Pinned host segments per direction when staging device buffers.")
+LOG_LEVEL = Setting("MPITRAIN_LOG_LEVEL",
+                    _parse_choice("debug", "info", "warning", "error", "critical"), "",
+                    "Level of the 'mpitrain' logger; when set, its lines go to stderr "
+                    "prefixed with the rank (unset: Python's logging configuration).")
 
 
 ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
     value for value in list(globals().values()) if isinstance(value, Setting))
+OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE"})
+"""Variables that are not settings: set by ``mpitrain-run --max-restarts`` for the
+script, read by ``setup.py``."""
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Parse every ``MPITRAIN_*`` variable that is set; return a warning for each name
+    that mpitrain does not know, with the closest known name.
+
+    Raises:
+        ArgumentError: naming the first variable whose value is not valid.
+    """
+    env = os.environ if environ is None else environ
+    known = {setting.name: setting for setting in ALL_SETTINGS}
+    warnings = []
+    for name in sorted(n for n in env if n.startswith("MPITRAIN_")):
+        setting = known.get(name)
+        if setting is not None:
+            if env[name]:
+                try:
+                    setting.parse(env[name])
+                except ValueError as exc:
+                    raise ArgumentError(f"{name}={env[name]!r} is not valid: {exc}; fix or "
+                                        "unset it") from None
+        elif name not in OTHER_NAMES:
+            suffixes = {n.removeprefix("MPITRAIN_"): n for n in [*known, *OTHER_NAMES]}
+            close = difflib.get_close_matches(name.removeprefix("MPITRAIN_"), suffixes, n=1,
+                                              cutoff=0.6)
+            hint = f"did you mean {suffixes[close[0]]}?" if close else \
+                "python -c 'import mpitrain.config as c; print(c.describe())' lists them"
+            warnings.append(f"{name} is not an mpitrain setting and is ignored ({hint})")
+    return warnings
 
 
 def describe() -> str:

@@ -8,11 +8,12 @@ default communicator (the trainer, elastic recovery, checkpoints) reads it here 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from mpi4py import MPI
 
-from . import excepthook
+from . import config, excepthook
 from .comm import exitguard
 from .communicator import Communicator
 from .engine import Handle
@@ -20,6 +21,8 @@ from .errors import NotInitializedError
 from .ops import ReduceOp, Sum
 
 _default: Communicator | None = None
+_log_handler: logging.Handler | None = None
+log = logging.getLogger("mpitrain")
 
 
 def init(comm: MPI.Intracomm | None = None) -> Communicator:
@@ -34,10 +37,34 @@ def init(comm: MPI.Intracomm | None = None) -> Communicator:
     global _default
     excepthook.install()
     if _default is None:
+        world_rank = MPI.COMM_WORLD.Get_rank()
+        unknown = config.check_environment()  # raises on an invalid value, naming it
+        configure_logging(world_rank)
+        if world_rank == 0:
+            for warning in unknown:
+                log.warning("mpitrain: %s", warning)
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
         if _default.size == MPI.COMM_WORLD.Get_size():  # every rank is here: collective
             exitguard.install()
     return _default
+
+
+def configure_logging(rank: int) -> None:
+    """With ``MPITRAIN_LOG_LEVEL`` set, send the ``mpitrain`` logger's records of that
+    level and above to stderr, each line prefixed with ``rank`` (otherwise leave the
+    logging configuration to the program)."""
+    global _log_handler
+    level = config.LOG_LEVEL.get()
+    if not level:
+        return
+    logger = logging.getLogger("mpitrain")
+    logger.setLevel(level.upper())
+    if _log_handler is None:
+        _log_handler = logging.StreamHandler()
+        logger.addHandler(_log_handler)
+        logger.propagate = False
+    _log_handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s %(levelname)s: "
+                                                "%(message)s"))
 
 
 def replace_default(comm: Communicator) -> None:
