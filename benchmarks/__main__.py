@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from mpitrain import excepthook
+
 from . import fusion, harness
 
 
@@ -23,4 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A rank that raises (a bad --json path, a missing module) ends the whole job, as
+    # under mt.init(), instead of leaving the other ranks in their next collective.
+    excepthook.install()
     sys.exit(main())

@@ -33,6 +33,7 @@ prints the table; the process exits with 1 if any element was wrong.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -181,6 +182,14 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     return p
 
 
+def installed(module: str) -> bool:
+    """True if ``module`` can be imported (checked before measuring, on every rank alike)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent missing, or blocked in sys.modules
+        return False
+
+
 def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options:
     """Parse and check a command line for a run on ``nranks`` ranks."""
     parser = build_parser(quiet)
@@ -213,6 +222,8 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
             parser.error(str(exc))
     if collective.rooted and not 0 <= a.root < nranks:
         parser.error(f"-r {a.root} is not a rank; use 0..{nranks - 1}")
+    if a.plot and not installed("matplotlib"):
+        parser.error("--plot needs matplotlib: pip install matplotlib")
     return Options(collective=collective, sizes=sizes, iters=a.iters, warmup=a.warmup_iters,
                    dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
                    impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check]),

@@ -50,3 +50,17 @@ def test_ranks_that_finish_at_different_times_exit_normally() -> None:
     result = run(mpirun(3, [str(JOBS / "uneven_exit.py")]), TIMEOUT_S)
     assert result.rc == 0, result.out
     assert result.out.count("finished all steps") == 3
+
+
+def test_a_benchmark_rank_that_raises_ends_the_job(tmp_path: Path) -> None:
+    """Only rank 0 writes --json; a path it cannot write makes it raise after the table:
+    the benchmark's crash hook ends the job instead of leaving rank 1 in its last
+    collective."""
+    target = tmp_path / "missing-dir" / "out.json"
+    result = run(mpirun(2, ["-m", "benchmarks", "allreduce", "-b", "8", "-e", "8", "-n", "2",
+                            "-w", "1", "--impl", "mpitrain", "--json", str(target)]),
+                 TIMEOUT_S)
+    assert result.rc not in (0, -1), result.out
+    assert result.seconds < 45, f"the job took {result.seconds:.1f} s"
+    assert "[rank 0] FileNotFoundError" in result.out
+    assert "died of an uncaught exception" in result.out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -413,3 +414,13 @@ def test_table_row_shows_ratio_and_na() -> None:
     titles = table.header()[2]
     assert titles.split()[1:] == [c.title for c in table.columns()]
     assert len(line) == len(titles)  # right-aligned under the titles
+
+
+def test_plot_without_matplotlib_is_refused_before_measuring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank parses the same command line, so every rank refuses it: no hang."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert not harness.installed("matplotlib") and harness.installed("json")
+    with pytest.raises(SystemExit) as exit_info:
+        harness.parse_args(["allreduce", "--plot", "x.png"], 2, quiet=True)
+    assert exit_info.value.code == 2
