@@ -12,7 +12,8 @@ Reading trusts nothing in the file: sizes declared in the zip directory and in t
 allocated, the JSON's nesting depth is bounded, and nothing is unpickled (a file
 holding an object array is refused), so a damaged or foreign file raises
 :class:`DamagedCheckpointError` naming the file and what is wrong, never another
-exception and never more memory than the file's size.
+exception and never more memory than the file's size. :func:`load_latest`, used to
+resume, skips damaged checkpoints with a warning and takes the newest intact one.
 
 Writing is atomic and durable: rank 0 writes a temporary file in the target
 directory, ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the
@@ -26,7 +27,7 @@ rank, so a run resumed with the same rank count continues bit-identically::
     ckpt = checkpoint.save(dir, {"params": ..., "optimizer": opt.state_dict(),
                                  "sampler": sampler.state_dict(), "epoch": e},
                            step=step, per_rank=checkpoint.capture_rng(gen))
-    c = checkpoint.load(checkpoint.latest(dir), rank=comm.rank)
+    c = checkpoint.load_latest(dir, rank=comm.rank)   # None if there is none
     checkpoint.restore_rng(c.rank_state, gen)
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -77,8 +79,10 @@ _NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings repl
 _NOT_BRACKET = re.compile(r"[^\[\](){}]")
 _TMP_PREFIX = ".tmp-ckpt-"
 
+log = logging.getLogger("mpitrain")
+
 __all__ = ["MAX_DEPTH", "Checkpoint", "CheckpointError", "DamagedCheckpointError",
-           "capture_rng", "latest", "list_checkpoints", "load", "path_for",
+           "capture_rng", "latest", "list_checkpoints", "load", "load_latest", "path_for",
            "restore_rng", "save"]
 
 
@@ -218,7 +222,10 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
 
 
 def latest(directory: str) -> str | None:
-    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none."""
+    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none.
+
+    The file is not read: to resume, use :func:`load_latest`, which skips damaged ones.
+    """
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
 
@@ -374,7 +381,7 @@ def load(path: str, rank: int | None = None) -> Checkpoint:
     """Read a checkpoint without unpickling anything.
 
     Args:
-        path: a file written by :func:`save` (see :func:`latest`).
+        path: a file written by :func:`save` (to resume, see :func:`load_latest`).
         rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
             has no state for (a different rank count) raises.
 
@@ -390,10 +397,43 @@ def load(path: str, rank: int | None = None) -> Checkpoint:
     return _read(path).checkpoint(rank)
 
 
+def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
+    """Read the newest intact checkpoint of ``directory``, to resume from it.
+
+    A damaged newest checkpoint (see :func:`load`) is skipped with a warning (logger
+    ``mpitrain``) that names it and the problem, and the next older one is tried.
+
+    Args:
+        directory: the directory given to :func:`save`.
+        rank: whose per-rank state to return (as in :func:`load`).
+
+    Returns:
+        The checkpoint, or ``None`` if the directory holds none that is intact (with a
+        warning if it holds damaged ones).
+
+    Raises:
+        CheckpointError: an intact checkpoint cannot be used (see :func:`load`).
+    """
+    found = [path for _, path in reversed(list_checkpoints(directory))]
+    for i, path in enumerate(found):
+        try:
+            contents = _read(path)
+        except DamagedCheckpointError as exc:
+            instead = f"trying {found[i + 1]}" if i + 1 < len(found) else "no older one"
+            log.warning("mpitrain checkpoint: skipping %s: %s; %s", path, exc, instead)
+            continue
+        return contents.checkpoint(rank)
+    if found:
+        log.warning("mpitrain checkpoint: no intact checkpoint in %s (%d damaged: %s); "
+                    "starting as if there were none", directory, len(found), ", ".join(found))
+    return None
+
+
 # -- reading: check everything before trusting it -----------------------------------
 def _damaged(path: str, problem: str) -> DamagedCheckpointError:
     return DamagedCheckpointError(f"{path} is damaged or not an mpitrain checkpoint: {problem}; "
-                                  "resume from an older checkpoint")
+                                  "resume from an older one (checkpoint.load_latest(directory) "
+                                  "skips damaged files)")
 
 
 def _read(path: str) -> _Contents:

@@ -1,5 +1,5 @@
 """Damaged and foreign checkpoint files: refused with CheckpointError naming the file,
-in bounded memory.
+in bounded memory; resuming skips them.
 
 A real checkpoint is damaged systematically: a byte flipped (two ways) at positions in
 every part of the file (zip local headers, .npy headers, the JSON metadata, array
@@ -13,7 +13,9 @@ from __future__ import annotations
 import collections
 import io
 import json
+import logging
 import random
+import re
 import struct
 import tracemalloc
 import zipfile
@@ -26,6 +28,7 @@ import pytest
 
 from mpitrain import checkpoint
 from mpitrain.dtypes import BFLOAT16
+from mpitrain.elastic import State
 from mpitrain.errors import CheckpointError
 
 END_RECORD = 22  # bytes of a zip end-of-central-directory record
@@ -317,3 +320,89 @@ def test_deep_states_and_other_versions_are_refused_but_not_as_damage(tmp_path: 
     with pytest.raises(CheckpointError, match="version 2") as raised:
         checkpoint.load(str(future))
     assert not isinstance(raised.value, checkpoint.DamagedCheckpointError)
+    with pytest.raises(CheckpointError, match="version 2"):  # not skipped when resuming
+        checkpoint.load_latest(str(tmp_path))
+
+
+def damage(path: str) -> None:
+    """Flip one byte in the middle of ``path``."""
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    directory = str(tmp_path)
+    for step in (1, 2, 3):
+        checkpoint.save(directory, {"w": np.full(100, float(step)), "step": step}, step=step,
+                        per_rank={"r": 0}, keep=2)
+    newest = checkpoint.path_for(directory, 3)
+    damage(newest)
+    with pytest.raises(CheckpointError, match=re.escape(newest)):  # no fallback here
+        checkpoint.load(newest)
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        ckpt = checkpoint.load_latest(directory, rank=0)
+    assert ckpt is not None and ckpt.step == 2 and ckpt.state["step"] == 2
+    assert ckpt.rank_state == {"r": 0} and np.array_equal(ckpt.state["w"], np.full(100, 2.0))
+    (record,) = [r for r in caplog.records if r.name == "mpitrain"]
+    assert record.levelno == logging.WARNING
+    assert f"skipping {newest}" in record.getMessage()
+    assert "CRC-32" in record.getMessage(), record.getMessage()
+    assert f"trying {checkpoint.path_for(directory, 2)}" in record.getMessage()
+    with pytest.raises(CheckpointError, match="per-rank state of 1 ranks"):
+        checkpoint.load_latest(directory, rank=1)  # an intact one that does not fit: raised
+
+    caplog.clear()
+    damage(checkpoint.path_for(directory, 2))
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        assert checkpoint.load_latest(directory) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and "no older one" in messages[1], messages
+    assert "no intact checkpoint" in messages[2] and "as if there were none" in messages[2]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        assert checkpoint.load_latest(str(empty)) is None
+        assert checkpoint.load_latest(str(tmp_path / "missing")) is None
+    assert caplog.records == []
+
+
+def test_elastic_state_resumes_from_the_newest_intact_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    w = np.zeros(4)
+    state = State(checkpoint=str(tmp_path), w=w, step=0)
+    for step in (1, 2, 3):
+        w += 1
+        state.step = step
+        state.commit()
+    newest = checkpoint.path_for(str(tmp_path), 3)
+    damage(newest)
+    fresh = State(checkpoint=str(tmp_path), w=np.zeros(4), step=0)
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        assert fresh.load_checkpoint()
+    assert fresh.commits == 2 and fresh.step == 2 and np.array_equal(fresh.w, np.full(4, 2.0))
+    assert any(f"skipping {newest}" in r.getMessage() for r in caplog.records)
+    damage(checkpoint.path_for(str(tmp_path), 2))
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        assert not State(checkpoint=str(tmp_path), w=np.zeros(4)).load_checkpoint()
+    assert "no intact checkpoint" in caplog.records[-1].getMessage()
+
+
+def test_torch_resume_skips_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import mpitrain.torch as hvd
+
+    model = torch.nn.Linear(3, 2)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        hvd.save_checkpoint(str(tmp_path), step, model, extra={"step": step})
+    damage(checkpoint.path_for(str(tmp_path), 2))
+    fresh = torch.nn.Linear(3, 2)
+    ckpt = hvd.load_latest_checkpoint(str(tmp_path), fresh, rank=0)
+    assert ckpt is not None and ckpt.state["extra"] == {"step": 1}
+    assert torch.equal(fresh.weight, torch.ones(2, 3))
+    assert hvd.load_latest_checkpoint(str(tmp_path / "none"), fresh) is None
