@@ -18,8 +18,9 @@ resume, skips damaged checkpoints with a warning and takes the newest intact one
 Writing is atomic and durable: rank 0 writes a temporary file in the target
 directory, ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the
 directory, so a crash leaves either the old or the new checkpoint, never a torn
-one. Temporary files left by a crashed writer are removed by the next save. The
-other ranks wait for rank 0 and raise its error if it failed.
+one. Temporary files left by a killed writer are removed when a directory is opened
+for saving or resuming. The other ranks wait for rank 0 and raise its error if it
+failed.
 
 Per-rank state (each rank's random generators) is gathered to rank 0 and stored per
 rank, so a run resumed with the same rank count continues bit-identically::
@@ -41,9 +42,11 @@ import math
 import os
 import random
 import re
+import socket
 import struct
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -77,13 +80,19 @@ _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _PY_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"", re.DOTALL)
 _NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings replaced by ''
 _NOT_BRACKET = re.compile(r"[^\[\](){}]")
+
+# Temporary files are named after the writing process, ``.tmp-ckpt-PID@HOST.XXXXXX.npz``,
+# so that a later process can tell an abandoned one from one being written now.
 _TMP_PREFIX = ".tmp-ckpt-"
+_TMP_OWNER = re.compile(r"^\.tmp-ckpt-(\d+)@(.+)\.[a-z0-9_]+\.npz$")
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+_STARTED = time.time()  # before any save of this process: saves need this module
 
 log = logging.getLogger("mpitrain")
 
 __all__ = ["MAX_DEPTH", "Checkpoint", "CheckpointError", "DamagedCheckpointError",
            "capture_rng", "latest", "list_checkpoints", "load", "load_latest", "path_for",
-           "restore_rng", "save"]
+           "remove_temp_files", "restore_rng", "save"]
 
 
 # -- state <-> (JSON skeleton, arrays) ------------------------------------------------
@@ -232,7 +241,8 @@ def latest(directory: str) -> str | None:
 
 def _write_atomically(final: str, payload: bytes) -> None:
     directory = os.path.dirname(final) or "."
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".npz", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}@{_HOST}.", suffix=".npz",
+                               dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             mask = os.umask(0)
@@ -253,10 +263,78 @@ def _write_atomically(final: str, payload: bytes) -> None:
         os.close(dir_fd)
 
 
-def _remove_stale(directory: str, keep: int) -> None:
-    for entry in os.listdir(directory):
-        if entry.startswith(_TMP_PREFIX):
-            os.unlink(os.path.join(directory, entry))
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid)
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
+
+
+def _abandoned(directory: str, entry: str) -> bool:
+    """Whether temporary file ``entry`` was left by a save that can no longer finish.
+
+    A file named after a process of this host is abandoned when that process is gone
+    (a recycled pid only keeps it longer). Any other one (another host's, or named the
+    way older versions did) is abandoned when it was last written before this process
+    started: a save is collective, so another rank of this job writes only after every
+    rank has started (and imported this module), and a write in progress keeps moving
+    the time. What can be removed wrongly is only the file of a writer on another host
+    that has not written since this process started, yet is still alive: another job
+    saving to the same directory, or a clock of that host's file server that runs
+    behind this host's.
+    """
+    owner = _TMP_OWNER.match(entry)
+    if owner and owner.group(2) == _HOST:
+        return not _alive(int(owner.group(1)))
+    try:
+        return os.stat(os.path.join(directory, entry)).st_mtime < _STARTED
+    except OSError:
+        return False
+
+
+def remove_temp_files(directory: str) -> list[str]:
+    """Remove the temporary files that killed saves left in ``directory``.
+
+    Done by :func:`save` and :func:`load_latest`. Only files that no running save can
+    be writing are removed: those named after a process of this host that has ended,
+    and others last written before this process started. A file that cannot be
+    removed (read-only directory) is left, with a warning.
+
+    Returns:
+        The paths removed.
+    """
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in sorted(entries):
+        if not entry.startswith(_TMP_PREFIX) or not _abandoned(directory, entry):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # another process removed it first
+        except OSError as exc:
+            log.warning("mpitrain checkpoint: cannot remove %s, the temporary file of an "
+                        "interrupted save: %s", path, exc)
+            continue
+        removed.append(path)
+    if removed:
+        log.info("mpitrain checkpoint: removed %d temporary file(s) of interrupted saves: %s",
+                 len(removed), ", ".join(removed))
+    return removed
+
+
+def _remove_old(directory: str, keep: int) -> None:
     if keep > 0:
         for _, old in list_checkpoints(directory)[:-keep]:
             os.unlink(old)
@@ -323,9 +401,9 @@ def save(directory: str, state: Any, step: int, per_rank: Any = None,
         try:
             payload = _encode_file(state, gathered if per_rank is not None else None, step)
             os.makedirs(directory, exist_ok=True)
-            _remove_stale(directory, 0)
+            remove_temp_files(directory)
             _write_atomically(final, payload)
-            _remove_stale(directory, keep)
+            _remove_old(directory, keep)
         except (OSError, CheckpointError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if comm is not None:
@@ -402,6 +480,7 @@ def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
 
     A damaged newest checkpoint (see :func:`load`) is skipped with a warning (logger
     ``mpitrain``) that names it and the problem, and the next older one is tried.
+    Temporary files left by killed saves are removed first.
 
     Args:
         directory: the directory given to :func:`save`.
@@ -414,6 +493,7 @@ def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
     Raises:
         CheckpointError: an intact checkpoint cannot be used (see :func:`load`).
     """
+    remove_temp_files(directory)
     found = [path for _, path in reversed(list_checkpoints(directory))]
     for i, path in enumerate(found):
         try:

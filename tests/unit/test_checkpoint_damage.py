@@ -1,5 +1,5 @@
 """Damaged and foreign checkpoint files: refused with CheckpointError naming the file,
-in bounded memory; resuming skips them.
+in bounded memory; resuming skips them; temporary files of killed saves are removed.
 
 A real checkpoint is damaged systematically: a byte flipped (two ways) at positions in
 every part of the file (zip local headers, .npy headers, the JSON metadata, array
@@ -14,9 +14,13 @@ import collections
 import io
 import json
 import logging
+import os
 import random
 import re
 import struct
+import subprocess
+import sys
+import time
 import tracemalloc
 import zipfile
 import zlib
@@ -406,3 +410,51 @@ def test_torch_resume_skips_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
     assert ckpt is not None and ckpt.state["extra"] == {"step": 1}
     assert torch.equal(fresh.weight, torch.ones(2, 3))
     assert hvd.load_latest_checkpoint(str(tmp_path / "none"), fresh) is None
+
+
+def temp_name(pid: int, host: str, mark: str) -> str:
+    """The name of a temporary file of a save by process ``pid`` of ``host``."""
+    return f".tmp-ckpt-{pid}@{host}.{mark}.npz"
+
+
+def test_temporary_files_of_killed_saves_are_removed_at_startup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or replace(src, dst))
+    checkpoint.save(str(tmp_path), {"x": 1}, step=1)
+    monkeypatch.undo()
+    name = re.fullmatch(rf"\.tmp-ckpt-{os.getpid()}@(.+)\.[a-z0-9_]+\.npz",
+                        os.path.basename(renamed[0]))
+    assert name, renamed  # a save names its temporary file after its process
+    host = name.group(1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    old = time.time() - 3600  # before this process started
+    files = {  # name: (seconds since the epoch it was last written, removed?)
+        temp_name(int(dead.stdout), host, "dead1x"): (time.time(), True),
+        temp_name(live.pid, host, "live1x"): (old, False),  # a live writer, however slow
+        temp_name(os.getpid(), host, "mine1x"): (old, False),
+        temp_name(123, "elsewhere", "old1xy"): (old, True),
+        temp_name(123, "elsewhere", "new1xy"): (time.time(), False),
+        ".tmp-ckpt-ab12cd34.npz": (old, True),  # named as before, by pid-less writers
+        ".tmp-ckpt-ef56gh78.npz": (time.time(), False),
+        "notes.txt": (old, False),
+    }
+    try:
+        for name, (mtime, _) in files.items():
+            (tmp_path / name).write_bytes(b"torn")
+            os.utime(tmp_path / name, (mtime, mtime))
+        checkpoint.save(str(tmp_path), {"x": 1}, step=1)
+        (tmp_path / "ckpt-000000001.npz").unlink()
+        kept = sorted(name for name, (_, removed) in files.items() if not removed)
+        assert sorted(os.listdir(tmp_path)) == kept
+        live.kill()
+        live.wait()
+        assert checkpoint.load_latest(str(tmp_path)) is None
+        kept.remove(temp_name(live.pid, host, "live1x"))
+        assert sorted(os.listdir(tmp_path)) == kept
+    finally:
+        live.kill()
+        live.wait()
