@@ -9,10 +9,11 @@ checksum existed (no zip comment) still load.
 
 Reading trusts nothing in the file: sizes declared in the zip directory and in the
 ``.npy`` headers are checked against the file's actual size before anything is
-allocated, the JSON's nesting depth is bounded, and nothing is unpickled (a file
-holding an object array is refused), so a damaged or foreign file raises
-:class:`DamagedCheckpointError` naming the file and what is wrong, never another
-exception and never more memory than the file's size. :func:`load_latest`, used to
+allocated (no array buffer is larger than the file accounts for), the nesting of
+``.npy`` headers and of the JSON is bounded before they are parsed, and nothing is
+unpickled (a file holding an object array is refused), so a damaged or foreign file
+raises :class:`DamagedCheckpointError` naming the file and what is wrong, never
+another exception. :func:`load_latest`, used to
 resume, skips damaged checkpoints with a warning and takes the newest intact one.
 
 Writing is atomic and durable: rank 0 writes a temporary file in the target
