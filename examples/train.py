@@ -18,7 +18,7 @@ import torch
 from common import ProgressBar, load_digits_split, parse_args, shard_test_set
 
 import mpitrain.torch as hvd
-from mpitrain import checkpoint, trainer
+from mpitrain import trainer
 
 
 def make_model() -> torch.nn.Module:
@@ -44,13 +44,15 @@ def main() -> None:
     per_rank = max(1, args.batch_size // hvd.size())
     torch.manual_seed(args.seed + hvd.rank())  # dropout masks differ by rank
     first_epoch = 0
-    latest = checkpoint.latest(args.checkpoint) if args.checkpoint else None
-    if latest:
-        ckpt = hvd.load_checkpoint(latest, model, optimizer)
+    ckpt = None  # resume from the newest intact checkpoint (damaged ones: skipped, warned)
+    if args.checkpoint:
+        ckpt = hvd.load_latest_checkpoint(args.checkpoint, model, optimizer)
+    if ckpt is not None:
         sampler.load_state_dict(ckpt.state["extra"]["sampler"])
         first_epoch = ckpt.state["extra"]["epoch"] + 1
         if hvd.rank() == 0:
-            print(f"resumed from {latest} (epoch {first_epoch} of {args.epochs})", flush=True)
+            print(f"resumed from {ckpt.path} (epoch {first_epoch} of {args.epochs})",
+                  flush=True)
     else:  # start every rank from rank 0's weights and optimizer state
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -74,16 +74,19 @@ def main() -> None:
     sampler = trainer.DistributedSampler(len(x_train), seed=args.seed)
     per_rank = max(1, args.batch_size // comm.size)
     first_epoch = 0
-    latest = checkpoint.latest(args.checkpoint) if args.checkpoint else None
-    if latest:
-        state = checkpoint.load(latest).state
+    ckpt = None  # resume from the newest intact checkpoint (damaged ones: skipped, warned)
+    if args.checkpoint:
+        ckpt = checkpoint.load_latest(args.checkpoint)
+    if ckpt is not None:
+        state = ckpt.state
         for p in model.params:
             p.data[...] = state["params"][p.name]
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
         first_epoch = state["epoch"] + 1
         if comm.rank == 0:
-            print(f"resumed from {latest} (epoch {first_epoch} of {args.epochs})", flush=True)
+            print(f"resumed from {ckpt.path} (epoch {first_epoch} of {args.epochs})",
+                  flush=True)
     else:
         trainer.broadcast_parameters(model.params, root_rank=0)
         trainer.broadcast_optimizer_state(optimizer, root_rank=0)

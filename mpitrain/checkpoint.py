@@ -2,14 +2,26 @@
 
 A checkpoint is one ``.npz`` file: every array of the saved state is an entry, and
 the rest of the state (dicts, lists, tuples, numbers, strings; the layout) is JSON
-stored in the entry ``__meta__``. Loading uses ``allow_pickle=False``, so a file can
-never run code; a file holding an object array is refused.
+stored in the entry ``__meta__``. The zip comment at the very end of the file holds
+a CRC-32 of every byte before it (``mpitrain-crc32:`` and 8 hex digits), so that any
+change to the file after it was written is detected. Files written before the
+checksum existed (no zip comment) still load.
+
+Reading trusts nothing in the file: sizes declared in the zip directory and in the
+``.npy`` headers are checked against the file's actual size before anything is
+allocated (no array buffer is larger than the file accounts for), the nesting of
+``.npy`` headers and of the JSON is bounded before they are parsed, and nothing is
+unpickled (a file holding an object array is refused), so a damaged or foreign file
+raises :class:`DamagedCheckpointError` naming the file and what is wrong, never
+another exception. :func:`load_latest`, used to
+resume, skips damaged checkpoints with a warning and takes the newest intact one.
 
 Writing is atomic and durable: rank 0 writes a temporary file in the target
 directory, ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the
 directory, so a crash leaves either the old or the new checkpoint, never a torn
-one. Temporary files left by a crashed writer are removed by the next save. The
-other ranks wait for rank 0 and raise its error if it failed.
+one. Temporary files left by a killed writer are removed when a directory is opened
+for saving or resuming. The other ranks wait for rank 0 and raise its error if it
+failed.
 
 Per-rank state (each rank's random generators) is gathered to rank 0 and stored per
 rank, so a run resumed with the same rank count continues bit-identically::
@@ -17,37 +29,71 @@ rank, so a run resumed with the same rank count continues bit-identically::
     ckpt = checkpoint.save(dir, {"params": ..., "optimizer": opt.state_dict(),
                                  "sampler": sampler.state_dict(), "epoch": e},
                            step=step, per_rank=checkpoint.capture_rng(gen))
-    c = checkpoint.load(checkpoint.latest(dir), rank=comm.rank)
+    c = checkpoint.load_latest(dir, rank=comm.rank)   # None if there is none
     checkpoint.restore_rng(c.rank_state, gen)
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import logging
+import math
 import os
 import random
 import re
+import socket
+import struct
 import sys
 import tempfile
+import time
+import zipfile
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from .communicator import Communicator
 from .dtypes import BFLOAT16
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedCheckpointError
 from .session import default_communicator, is_initialized
 
 FORMAT = "mpitrain-checkpoint"
 VERSION = 1
+MAX_DEPTH = 100
+"""How deeply the JSON of a checkpoint may nest (dicts, lists; a tuple counts twice)."""
+
 _META = "__meta__"
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
-_TMP_PREFIX = ".tmp-ckpt-"
+_CHECKSUM_TAG = b"mpitrain-crc32:"
+_CHECKSUM_DIGITS = 8
+_CHECKSUM_HEX = re.compile(rb"^[0-9a-f]{8}$")
+_END_RECORD = struct.Struct("<4s4H2LH")  # zip end-of-central-directory record, 22 bytes
+_END_SIGNATURE = b"PK\x05\x06"
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_HEADER_MAX = 10000  # what np.load accepts without allow_pickle
+_NPY_VERSIONS = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
+_CHUNK = 1 << 20
+_NPY_HEADER_DEPTH = 32  # of brackets in a .npy header (structured dtypes nest)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_PY_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"", re.DOTALL)
+_NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings replaced by ''
+_NOT_BRACKET = re.compile(r"[^\[\](){}]")
 
-__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "latest", "load", "restore_rng",
-           "save"]
+# Temporary files are named after the writing process, ``.tmp-ckpt-PID@HOST.XXXXXX.npz``,
+# so that a later process can tell an abandoned one from one being written now.
+_TMP_PREFIX = ".tmp-ckpt-"
+_TMP_OWNER = re.compile(r"^\.tmp-ckpt-(\d+)@(.+)\.[a-z0-9_]+\.npz$")
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+_STARTED = time.time()  # before any save of this process: saves need this module
+
+log = logging.getLogger("mpitrain")
+
+__all__ = ["MAX_DEPTH", "Checkpoint", "CheckpointError", "DamagedCheckpointError",
+           "capture_rng", "latest", "list_checkpoints", "load", "load_latest", "path_for",
+           "remove_temp_files", "restore_rng", "save"]
 
 
 # -- state <-> (JSON skeleton, arrays) ------------------------------------------------
@@ -91,28 +137,80 @@ class _Encoder:
         return {"key": key}
 
 
-def _decode(value: Any, arrays: dict[str, np.ndarray[Any, Any]]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, arrays) for v in value]
-    if not isinstance(value, dict):
+class _Decoder:
+    """Rebuilds the state from the JSON skeleton and the arrays of file ``path``,
+    checking every reference (the skeleton of a file without checksum may be damaged)."""
+
+    def __init__(self, path: str, arrays: dict[str, np.ndarray[Any, Any]]) -> None:
+        self.path = path
+        self.arrays = arrays
+
+    def decode(self, value: Any, where: str) -> Any:
+        if isinstance(value, list):
+            return [self.decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if not isinstance(value, dict):
+            return value
+        if "__array__" in value or "__scalar__" in value:
+            arr = self._array(value.get("__array__") or value.get("__scalar__"), where)
+            return arr[()] if "__scalar__" in value else arr
+        if "__tuple__" in value:
+            items = value["__tuple__"]
+            if not isinstance(items, list):
+                raise self._bad(where, f"a tuple's items are a {type(items).__name__}")
+            return tuple(self.decode(v, f"{where}[{i}]") for i, v in enumerate(items))
+        if "__items__" in value:
+            return dict(self._item(pair, where) for pair in self._list(value["__items__"], where))
+        return {k: self.decode(v, f"{where}.{k}") for k, v in value.items()}
+
+    def _item(self, pair: Any, where: str) -> tuple[Any, Any]:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise self._bad(where, f"a dict item is {pair!r:.60}, not a [key, value] pair")
+        key = _hashable(self.decode(pair[0], f"{where} key"))
+        try:
+            hash(key)
+        except TypeError:
+            raise self._bad(where, f"a dict key is a {type(key).__name__}") from None
+        return key, self.decode(pair[1], f"{where}.{key}")
+
+    def _list(self, value: Any, where: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self._bad(where, f"a dict's items are a {type(value).__name__}")
         return value
-    if "__array__" in value or "__scalar__" in value:
-        ref = value.get("__array__") or value["__scalar__"]
-        arr = arrays[ref["key"]]
-        if ref.get("dtype") == "bfloat16":
-            if BFLOAT16 is None:
-                raise CheckpointError("checkpoint holds bfloat16 arrays; pip install ml_dtypes")
-            arr = arr.view(BFLOAT16)
-        return arr[()] if "__scalar__" in value else arr
-    if "__tuple__" in value:
-        return tuple(_decode(v, arrays) for v in value["__tuple__"])
-    if "__items__" in value:
-        return {_hashable(_decode(k, arrays)): _decode(v, arrays) for k, v in value["__items__"]}
-    return {k: _decode(v, arrays) for k, v in value.items()}
+
+    def _array(self, ref: Any, where: str) -> np.ndarray[Any, Any]:
+        if not (isinstance(ref, dict) and isinstance(ref.get("key"), str)):
+            raise self._bad(where, f"array reference {ref!r:.60} has no key")
+        arr = self.arrays.get(ref["key"])
+        if arr is None:
+            raise self._bad(where, f"it names array {ref['key']!r:.40}, which the file lacks")
+        kind = ref.get("dtype")
+        if kind is None:
+            return arr
+        if kind != "bfloat16" or arr.dtype != np.uint16:
+            raise self._bad(where, f"array {ref['key']} of {arr.dtype} is marked {kind!r:.40}")
+        if BFLOAT16 is None:
+            raise CheckpointError(f"{self.path} holds bfloat16 arrays ({where}); "
+                                  "pip install ml_dtypes to load it")
+        return arr.view(BFLOAT16)
+
+    def _bad(self, where: str, problem: str) -> DamagedCheckpointError:
+        return _damaged(self.path, f"its metadata is inconsistent at {where}: {problem}")
 
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def _nested_deeper_than(skeleton: str, limit: int) -> bool:
+    """Whether brackets nest more than ``limit`` levels deep in ``skeleton`` (a text
+    with its string literals removed), found without parsing it: parsers recurse once
+    per level, and Python's overflows its stack long before it runs out of memory."""
+    depth = 0
+    for bracket in _NOT_BRACKET.sub("", skeleton):
+        depth += 1 if bracket in "([{" else -1
+        if depth > limit:
+            return True
+    return False
 
 
 # -- files ------------------------------------------------------------------------------
@@ -134,14 +232,18 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
 
 
 def latest(directory: str) -> str | None:
-    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none."""
+    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none.
+
+    The file is not read: to resume, use :func:`load_latest`, which skips damaged ones.
+    """
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
 
 
 def _write_atomically(final: str, payload: bytes) -> None:
     directory = os.path.dirname(final) or "."
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".npz", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}@{_HOST}.", suffix=".npz",
+                               dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             mask = os.umask(0)
@@ -162,10 +264,78 @@ def _write_atomically(final: str, payload: bytes) -> None:
         os.close(dir_fd)
 
 
-def _remove_stale(directory: str, keep: int) -> None:
-    for entry in os.listdir(directory):
-        if entry.startswith(_TMP_PREFIX):
-            os.unlink(os.path.join(directory, entry))
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid)
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
+
+
+def _abandoned(directory: str, entry: str) -> bool:
+    """Whether temporary file ``entry`` was left by a save that can no longer finish.
+
+    A file named after a process of this host is abandoned when that process is gone
+    (a recycled pid only keeps it longer). Any other one (another host's, or named the
+    way older versions did) is abandoned when it was last written before this process
+    started: a save is collective, so another rank of this job writes only after every
+    rank has started (and imported this module), and a write in progress keeps moving
+    the time. What can be removed wrongly is only the file of a writer on another host
+    that has not written since this process started, yet is still alive: another job
+    saving to the same directory, or a clock of that host's file server that runs
+    behind this host's.
+    """
+    owner = _TMP_OWNER.match(entry)
+    if owner and owner.group(2) == _HOST:
+        return not _alive(int(owner.group(1)))
+    try:
+        return os.stat(os.path.join(directory, entry)).st_mtime < _STARTED
+    except OSError:
+        return False
+
+
+def remove_temp_files(directory: str) -> list[str]:
+    """Remove the temporary files that killed saves left in ``directory``.
+
+    Done by :func:`save` and :func:`load_latest`. Only files that no running save can
+    be writing are removed: those named after a process of this host that has ended,
+    and others last written before this process started. A file that cannot be
+    removed (read-only directory) is left, with a warning.
+
+    Returns:
+        The paths removed.
+    """
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in sorted(entries):
+        if not entry.startswith(_TMP_PREFIX) or not _abandoned(directory, entry):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # another process removed it first
+        except OSError as exc:
+            log.warning("mpitrain checkpoint: cannot remove %s, the temporary file of an "
+                        "interrupted save: %s", path, exc)
+            continue
+        removed.append(path)
+    if removed:
+        log.info("mpitrain checkpoint: removed %d temporary file(s) of interrupted saves: %s",
+                 len(removed), ", ".join(removed))
+    return removed
+
+
+def _remove_old(directory: str, keep: int) -> None:
     if keep > 0:
         for _, old in list_checkpoints(directory)[:-keep]:
             os.unlink(old)
@@ -177,10 +347,21 @@ def _encode_file(state: Any, per_rank: list[Any] | None, step: int) -> bytes:
             "state": encoder.encode(state, "state"),
             "per_rank": None if per_rank is None else
             [encoder.encode(s, f"per_rank[{r}]") for r, s in enumerate(per_rank)]}
-    text = json.dumps(meta).encode("utf-8")
+    text = json.dumps(meta)
+    if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
+        raise CheckpointError(f"checkpoint: the state nests more than {MAX_DEPTH} levels of "
+                              "dicts and lists (a tuple counts twice), more than a checkpoint "
+                              "can be loaded with; flatten it")
+    entries = {**encoder.arrays, _META: np.frombuffer(text.encode("utf-8"), dtype=np.uint8)}
     buf = io.BytesIO()
-    entries = {**encoder.arrays, _META: np.frombuffer(text, dtype=np.uint8)}
-    np.savez(buf, **entries)  # type: ignore[arg-type]  # (stubs confuse ** with allow_pickle)
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        archive.comment = _CHECKSUM_TAG + b"0" * _CHECKSUM_DIGITS  # filled in below
+        for key, arr in entries.items():  # as np.savez writes them
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
+    view = buf.getbuffer()
+    view[-_CHECKSUM_DIGITS:] = b"%08x" % zlib.crc32(view[:-_CHECKSUM_DIGITS])
+    view.release()
     return buf.getvalue()
 
 
@@ -221,9 +402,9 @@ def save(directory: str, state: Any, step: int, per_rank: Any = None,
         try:
             payload = _encode_file(state, gathered if per_rank is not None else None, step)
             os.makedirs(directory, exist_ok=True)
-            _remove_stale(directory, 0)
+            remove_temp_files(directory)
             _write_atomically(final, payload)
-            _remove_stale(directory, keep)
+            _remove_old(directory, keep)
         except (OSError, CheckpointError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if comm is not None:
@@ -252,43 +433,295 @@ class Checkpoint:
     rank_state: Any
 
 
+@dataclass
+class _Contents:
+    """What a checkpoint file holds, decoded and checked."""
+
+    path: str
+    step: int
+    state: Any
+    per_rank: list[Any] | None
+
+    def checkpoint(self, rank: int | None) -> Checkpoint:
+        """The :class:`Checkpoint` with ``rank``'s per-rank state."""
+        ranks = len(self.per_rank) if self.per_rank is not None else 0
+        rank_state = None
+        if rank is not None and self.per_rank is not None:
+            if not 0 <= rank < ranks:
+                raise CheckpointError(f"rank {rank}: {self.path} holds per-rank state of "
+                                      f"{ranks} ranks; resume with {ranks} ranks to continue "
+                                      "bit-identically, or load with rank=None to skip "
+                                      "per-rank state")
+            rank_state = self.per_rank[rank]
+        return Checkpoint(self.path, self.step, self.state, ranks, rank_state)
+
+
 def load(path: str, rank: int | None = None) -> Checkpoint:
     """Read a checkpoint without unpickling anything.
 
     Args:
-        path: a file written by :func:`save` (see :func:`latest`).
+        path: a file written by :func:`save` (to resume, see :func:`load_latest`).
         rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
             has no state for (a different rank count) raises.
 
     Raises:
-        CheckpointError: the file is not an mpitrain checkpoint, holds object arrays,
-            or has no per-rank state for ``rank``.
+        DamagedCheckpointError: the file is truncated or corrupted (its checksum, sizes
+            or structure do not match), or is not an mpitrain checkpoint (another zip
+            or npz file, object arrays); the message names the file and the problem.
+        CheckpointError: the file is a checkpoint of another format version, holds
+            bfloat16 arrays without ml_dtypes installed, or has no per-rank state for
+            ``rank``.
+        OSError: the file cannot be opened.
     """
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if _META not in z.files:
-                raise CheckpointError(f"{path} is not an mpitrain checkpoint (no {_META})")
-            meta = json.loads(bytes(z[_META]).decode("utf-8"))
-            arrays = {k: z[k] for k in z.files if k != _META}
-    except ValueError as exc:  # object arrays refuse to load without pickle
-        if isinstance(exc, CheckpointError):
+    return _read(path).checkpoint(rank)
+
+
+def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
+    """Read the newest intact checkpoint of ``directory``, to resume from it.
+
+    A damaged newest checkpoint (see :func:`load`) is skipped with a warning (logger
+    ``mpitrain``) that names it and the problem, and the next older one is tried.
+    Temporary files left by killed saves are removed first.
+
+    Args:
+        directory: the directory given to :func:`save`.
+        rank: whose per-rank state to return (as in :func:`load`).
+
+    Returns:
+        The checkpoint, or ``None`` if the directory holds none that is intact (with a
+        warning if it holds damaged ones).
+
+    Raises:
+        CheckpointError: an intact checkpoint cannot be used (see :func:`load`).
+    """
+    remove_temp_files(directory)
+    found = [path for _, path in reversed(list_checkpoints(directory))]
+    for i, path in enumerate(found):
+        try:
+            contents = _read(path)
+        except DamagedCheckpointError as exc:
+            instead = f"trying {found[i + 1]}" if i + 1 < len(found) else "no older one"
+            log.warning("mpitrain checkpoint: skipping %s: %s; %s", path, exc, instead)
+            continue
+        return contents.checkpoint(rank)
+    if found:
+        log.warning("mpitrain checkpoint: no intact checkpoint in %s (%d damaged: %s); "
+                    "starting as if there were none", directory, len(found), ", ".join(found))
+    return None
+
+
+# -- reading: check everything before trusting it -----------------------------------
+def _damaged(path: str, problem: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(f"{path} is damaged or not an mpitrain checkpoint: {problem}; "
+                                  "resume from an older one (checkpoint.load_latest(directory) "
+                                  "skips damaged files)")
+
+
+def _read(path: str) -> _Contents:
+    """Every check, then the contents of checkpoint ``path``."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        declared = _verify_end(path, f, size)
+        try:
+            with zipfile.ZipFile(f) as archive:
+                entries = _entries(path, archive, size, declared)
+                if _META not in entries:
+                    names = ", ".join(sorted(entries)[:5]) or "none"
+                    raise _damaged(path, f"it has no {_META} entry (arrays: {names}): "
+                                         "another npz or zip file")
+                meta = _meta(path, _read_array(path, archive, _META, entries[_META]))
+                arrays = {key: _read_array(path, archive, key, info)
+                          for key, info in entries.items() if key != _META}
+        except (CheckpointError, MemoryError):
             raise
-        raise CheckpointError(f"{path} cannot be loaded without pickle ({exc}); a checkpoint "
-                              "must hold only numeric arrays") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} version "
-                              f"{meta.get('version')!r}; expected {FORMAT!r} {VERSION}")
+        except Exception as exc:  # anything else a damaged zip or .npy header can raise
+            raise _damaged(path, f"its zip structure is unreadable ({type(exc).__name__}: "
+                                 f"{exc})") from exc
+    decoder = _Decoder(path, arrays)
     per_rank = meta["per_rank"]
-    ranks = len(per_rank) if per_rank is not None else 0
-    rank_state = None
-    if rank is not None and per_rank is not None:
-        if not 0 <= rank < ranks:
-            raise CheckpointError(f"rank {rank}: {path} holds per-rank state of {ranks} ranks; "
-                                  f"resume with {ranks} ranks to continue bit-identically, or "
-                                  "load with rank=None to skip per-rank state")
-        rank_state = _decode(per_rank[rank], arrays)
-    return Checkpoint(path, int(meta["step"]), _decode(meta["state"], arrays), ranks,
-                      rank_state)
+    return _Contents(path, meta["step"], decoder.decode(meta["state"], "state"),
+                     None if per_rank is None else
+                     [decoder.decode(s, f"per_rank[{r}]") for r, s in enumerate(per_rank)])
+
+
+def _verify_end(path: str, f: io.BufferedReader, size: int) -> int:
+    """Check the zip end record, and the checksum of the whole file if it has one.
+
+    Returns:
+        The number of entries the end record declares (0xFFFF: see the zip64 record).
+    """
+    if size < _END_RECORD.size:
+        what = "empty (0 bytes)" if size == 0 else f"{size} bytes long"
+        raise _damaged(path, f"the file is {what}, shorter than the {_END_RECORD.size}-byte "
+                             "end record of any zip archive: truncated, or never written")
+    record = len(_CHECKSUM_TAG) + _CHECKSUM_DIGITS
+    f.seek(max(0, size - _END_RECORD.size - record))
+    tail = f.read()
+    entries = _end_record(tail[-_END_RECORD.size:], 0)
+    if entries is not None:
+        pass  # no zip comment: written before checksums (the text of a comment cannot
+        # hold an end record, so a file with a checksum never looks like this)
+    elif (entries := _end_record(tail[-_END_RECORD.size - record:], record)) is not None:
+        comment = tail[-record:]
+        digits = comment[len(_CHECKSUM_TAG):]
+        if not comment.startswith(_CHECKSUM_TAG) or not _CHECKSUM_HEX.match(digits):
+            raise _damaged(path, f"its checksum record (zip comment {comment!r}) is damaged")
+        f.seek(0)
+        crc, left, chunk = 0, size - _CHECKSUM_DIGITS, bytearray(min(_CHUNK, size))
+        while left:
+            got = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
+            if not got:
+                raise _damaged(path, "the file shrank while it was read")
+            crc = zlib.crc32(memoryview(chunk)[:got], crc)
+            left -= got
+        if crc != int(digits, 16):
+            raise _damaged(path, f"its contents do not match their CRC-32 (stored "
+                                 f"{digits.decode()}, computed {crc:08x}): the file changed "
+                                 "after it was written")
+    else:
+        raise _damaged(path, f"it does not end with a zip end record ({size} bytes, last "
+                             f"{tail[-8:].hex()}): truncated, or not a checkpoint")
+    f.seek(0)
+    return entries
+
+
+def _end_record(data: bytes, comment: int) -> int | None:
+    """The number of entries of the zip end record that ``data`` starts with, if its
+    comment is ``comment`` bytes long and takes the rest of ``data`` (``None`` if not)."""
+    if len(data) != _END_RECORD.size + comment:
+        return None
+    signature, disk, first_disk, on_disk, entries, _, _, length = _END_RECORD.unpack_from(data)
+    if signature != _END_SIGNATURE or length != comment:
+        return None
+    if disk or first_disk or on_disk != entries:  # a checkpoint is one zip "disk"
+        return None
+    return int(entries)
+
+
+def _entries(path: str, archive: zipfile.ZipFile, size: int,
+             declared: int) -> dict[str, zipfile.ZipInfo]:
+    """The archive's arrays by name, once their declared sizes are checked against the
+    file's: together they cannot claim more bytes than the file has."""
+    listed = archive.infolist()
+    if declared not in (len(listed), 0xFFFF):
+        raise _damaged(path, f"its end record declares {declared} entries, its central "
+                             f"directory lists {len(listed)}")
+    entries, total = {}, 0
+    for info in listed:
+        name = info.filename
+        if not name.endswith(".npy"):
+            raise _damaged(path, f"it holds an entry {name!r:.60}; a checkpoint holds only "
+                                 ".npy arrays")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise _damaged(path, f"entry {name!r:.60} is compressed (method "
+                                 f"{info.compress_type}); checkpoints store arrays as they are")
+        if info.header_offset + info.file_size > size:
+            raise _damaged(path, f"entry {name!r:.60} declares {info.file_size} bytes at offset "
+                                 f"{info.header_offset}, past the end of the {size}-byte file: "
+                                 "truncated")
+        total += info.file_size
+        entries[name[:-len(".npy")]] = info
+    if total > size:
+        raise _damaged(path, f"its entries declare {total} bytes in all, more than the file's "
+                             f"{size}")
+    return entries
+
+
+def _read_array(path: str, archive: zipfile.ZipFile, key: str,
+                info: zipfile.ZipInfo) -> np.ndarray[Any, Any]:
+    """Array ``key``, allocated only once its header agrees with its entry's size."""
+    with archive.open(info) as member:
+        dtype, shape, fortran, header = _npy_header(path, key, member, info.file_size)
+        count = math.prod(shape)
+        if count * dtype.itemsize != info.file_size - header:
+            raise _damaged(path, f"array {key!r:.40} declares shape {shape} of {dtype} "
+                                 f"({count * dtype.itemsize} bytes), but its entry holds "
+                                 f"{info.file_size - header} bytes of data")
+        flat = np.empty(count, dtype)
+        data = flat.view(np.uint8) if flat.nbytes else np.empty(0, np.uint8)
+        done = 0
+        while done < data.size:
+            chunk = member.read(min(_CHUNK, data.size - done))
+            if not chunk:
+                raise _damaged(path, f"array {key!r:.40} ends after {done} of its "
+                                     f"{data.size} bytes")
+            data[done:done + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            done += len(chunk)
+        if member.read(1):  # also makes zipfile check the entry's CRC-32
+            raise _damaged(path, f"array {key!r:.40} has data past its declared shape")
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _npy_header(path: str, key: str, member: IO[bytes],
+                size: int) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+    """The dtype, shape, order and header length of a ``.npy`` entry (numpy's format:
+    magic, version, header length, then a Python dict literal)."""
+    magic = member.read(len(_NPY_MAGIC) + 2)
+    version = tuple(magic[len(_NPY_MAGIC):])
+    if not magic.startswith(_NPY_MAGIC) or version not in _NPY_VERSIONS:
+        raise _damaged(path, f"array {key!r:.40} does not start with a .npy header "
+                             f"(got {magic.hex()})")
+    length_format, encoding = _NPY_VERSIONS[version]
+    start = len(magic) + struct.calcsize(length_format)
+    (length,) = struct.unpack(length_format, member.read(struct.calcsize(length_format)))
+    if length > _NPY_HEADER_MAX or start + length > size:
+        raise _damaged(path, f"array {key!r:.40} declares a {length}-byte .npy header in a "
+                             f"{size}-byte entry (at most {_NPY_HEADER_MAX})")
+    text = member.read(length).decode(encoding)
+    skeleton = _PY_STRING.sub("''", text)
+    if (not _NPY_HEADER_SKELETON.fullmatch(skeleton)
+            or _nested_deeper_than(skeleton, _NPY_HEADER_DEPTH)):
+        # what ast.literal_eval may overflow on: operators ("-" * 9999 + "1"), deep nesting
+        raise _damaged(path, f"array {key!r:.40} has a .npy header {text!r:.80}")
+    header = ast.literal_eval(text)  # literals only, as np.load parses it
+    if not (isinstance(header, dict) and set(header) == {"descr", "fortran_order", "shape"}):
+        raise _damaged(path, f"array {key!r:.40} has a .npy header {text!r:.80}")
+    shape, fortran = header["shape"], header["fortran_order"]
+    if not (isinstance(shape, tuple) and len(shape) <= 64 and isinstance(fortran, bool)
+            and all(type(n) is int and 0 <= n < 1 << 63 for n in shape)):
+        raise _damaged(path, f"array {key!r:.40} has the shape {shape!r:.80} and fortran_order "
+                             f"{fortran!r:.20}")
+    dtype = np.lib.format.descr_to_dtype(header["descr"])
+    if dtype.hasobject:
+        raise _damaged(path, f"array {key!r:.40} holds Python objects ({dtype}), which cannot "
+                             "be loaded without pickle; a checkpoint holds only numeric arrays")
+    if dtype.subdtype is not None or (dtype.itemsize == 0 and dtype.kind != "V"):
+        # (np.empty would make an S0 or U0 array of S1 or U1, with bytes the size check
+        # did not count)
+        raise _damaged(path, f"array {key!r:.40} has the dtype {header['descr']!r:.40}, "
+                             "which numpy never writes for a whole array")
+    return dtype, shape, fortran, start + length
+
+
+def _meta(path: str, raw: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """The checked JSON of the ``__meta__`` entry."""
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise _damaged(path, f"its {_META} entry is {raw.dtype} of shape {raw.shape}, not "
+                             "bytes")
+    try:
+        text = raw.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _damaged(path, f"its metadata is not UTF-8 text ({exc})") from None
+    if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
+        raise _damaged(path, f"its metadata nests more than {MAX_DEPTH} levels deep")
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise _damaged(path, f"its metadata is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _damaged(path, f"its metadata is not an mpitrain checkpoint's (format "
+                             f"{found!r:.60}, expected {FORMAT!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} version "
+                              f"{meta.get('version')!r:.20}; expected {FORMAT!r} {VERSION} "
+                              "(written by another version of mpitrain?)")
+    step, per_rank = meta.get("step"), meta.get("per_rank")
+    if type(step) is not int or "state" not in meta or not (per_rank is None
+                                                             or isinstance(per_rank, list)):
+        raise _damaged(path, f"its metadata lacks a step, state or per-rank list (step "
+                             f"{step!r:.20}, per_rank a {type(per_rank).__name__})")
+    return meta
 
 
 # -- random generators ----------------------------------------------------------------

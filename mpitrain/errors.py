@@ -40,3 +40,7 @@ class NotInitializedError(MpitrainError, RuntimeError):
 
 class CheckpointError(MpitrainError, ValueError):
     """A checkpoint cannot be written or read (unsupported value, damaged file, ...)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint file is truncated, corrupted, or not a checkpoint at all."""

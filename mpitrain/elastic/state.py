@@ -177,14 +177,21 @@ class State:
         self._commits = commits
 
     def load_checkpoint(self) -> bool:
-        """Adopt the newest durable checkpoint, if ``checkpoint`` has one (local, no MPI)."""
+        """Adopt the newest intact durable checkpoint, if ``checkpoint`` has one (local, no
+        MPI); damaged newer ones are skipped with a warning
+        (:func:`mpitrain.checkpoint.load_latest`)."""
         if not self._checkpoint:
             return False
-        path = checkpoint.latest(self._checkpoint)
-        if path is None:
+        ckpt = checkpoint.load_latest(self._checkpoint)
+        if ckpt is None:
             return False
-        saved = checkpoint.load(path).state
-        self.adopt(from_arrays(saved["entries"]), int(saved["commits"]))
+        saved = ckpt.state
+        if not (isinstance(saved, dict) and isinstance(saved.get("entries"), dict)
+                and isinstance(saved.get("commits"), int)):
+            raise checkpoint.CheckpointError(
+                f"{ckpt.path} was not written by mt.elastic.State (it has no entries and "
+                f"commits); give State(checkpoint=...) a directory of its own")
+        self.adopt(from_arrays(saved["entries"]), saved["commits"])
         return True
 
     # -- reset callbacks ------------------------------------------------------------------

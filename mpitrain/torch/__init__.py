@@ -17,7 +17,7 @@ has finished its collectives).
 from __future__ import annotations
 
 from ..trainer.compression import Compression, Compressor
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_latest_checkpoint, save_checkpoint
 from .mpi_ops import (
     Adasum,
     Average,
@@ -74,7 +74,8 @@ __all__ = [
     "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_initialized", "join",
-    "load_checkpoint", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "load_checkpoint", "load_latest_checkpoint", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
     "reducescatter_async", "save_checkpoint", "shutdown", "size", "synchronize",
 ]

@@ -73,12 +73,36 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
     Returns:
         The :class:`~mpitrain.checkpoint.Checkpoint` (``state["extra"]`` is ``extra``).
     """
+    ckpt = checkpoint.load(path, rank=_this_rank(rank))
+    _restore(ckpt, model, optimizer, generator)
+    return ckpt
+
+
+def load_latest_checkpoint(directory: str, model: torch.nn.Module, optimizer: Any = None,
+                           generator: np.random.Generator | None = None,
+                           rank: int | None = None) -> checkpoint.Checkpoint | None:
+    """Like :func:`load_checkpoint`, from the newest intact checkpoint in ``directory``
+    (:func:`mpitrain.checkpoint.load_latest`: damaged ones are skipped with a warning).
+
+    Returns:
+        The checkpoint, or ``None`` (nothing restored) if ``directory`` has none intact.
+    """
+    ckpt = checkpoint.load_latest(directory, rank=_this_rank(rank))
+    if ckpt is not None:
+        _restore(ckpt, model, optimizer, generator)
+    return ckpt
+
+
+def _this_rank(rank: int | None) -> int | None:
     if rank is None and session.is_initialized():
-        rank = session.rank()
-    ckpt = checkpoint.load(path, rank=rank)
+        return session.rank()
+    return rank
+
+
+def _restore(ckpt: checkpoint.Checkpoint, model: torch.nn.Module, optimizer: Any,
+             generator: np.random.Generator | None) -> None:
     model.load_state_dict(to_tensors(ckpt.state["model"]))
     if optimizer is not None:
         optimizer.load_state_dict(to_tensors(ckpt.state["optimizer"]))
     if ckpt.rank_state is not None:
         checkpoint.restore_rng(ckpt.rank_state, generator)
-    return ckpt

@@ -37,7 +37,10 @@ def test_killed_between_write_and_rename(tmp_path: Path) -> None:
     assert any(n.startswith(".tmp-ckpt-") for n in names), names  # the torn write
     assert [n for n in names if not n.startswith(".tmp")] == ["ckpt-000000001.npz"]
     assert assert_intact(tmp_path) == 1
-    checkpoint.save(str(tmp_path), {"w": np.zeros(1), "step": 5}, step=5)  # cleans up
+    resumed = checkpoint.load_latest(str(tmp_path))  # removes the dead writer's file
+    assert resumed is not None and resumed.step == 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.npz"]
+    checkpoint.save(str(tmp_path), {"w": np.zeros(1), "step": 5}, step=5)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.npz", "ckpt-000000005.npz"]
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -140,9 +142,11 @@ def test_torch_resume_is_bit_identical(comm: mt.Communicator, shared_dir: str) -
 def test_write_is_atomic_and_cleans_up(comm: mt.Communicator, shared_dir: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     state = {"w": np.arange(5.0) + comm.rank, "meta": {"lr": 0.1, 3: (1, "a")}}
-    if comm.rank == 0:  # a crashed writer left a temporary file behind
-        with open(os.path.join(shared_dir, ".tmp-ckpt-stale.npz"), "wb") as f:
+    if comm.rank == 0:  # a writer killed before this job started left a temporary file
+        stale = os.path.join(shared_dir, ".tmp-ckpt-stale.npz")
+        with open(stale, "wb") as f:
             f.write(b"torn")
+        os.utime(stale, (time.time() - 3600,) * 2)
     first = checkpoint.save(shared_dir, state, step=1)
     listing = sorted(os.listdir(shared_dir))
     assert_all_ranks(comm, listing == ["ckpt-000000001.npz"], f"directory: {listing}")
@@ -193,3 +197,36 @@ def test_no_pickle(comm: mt.Communicator, shared_dir: str) -> None:
     assert checkpoint.load(path, rank=comm.rank).rank_state == {"r": comm.rank}
     with pytest.raises(CheckpointError, match=f"per-rank state of {comm.size} ranks"):
         checkpoint.load(path, rank=comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cleanup_spares_temporary_files_being_written(comm: mt.Communicator, shared_dir: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank removes abandoned temporary files when it resumes, and rank 0 when it
+    saves, but none removes the file of a save another rank is writing, however old."""
+    renamed: list[str] = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or replace(src, dst))
+    checkpoint.save(shared_dir, {"x": 1}, step=1)
+    monkeypatch.undo()
+    named = re.fullmatch(r"\.tmp-ckpt-\d+@(.+)\.[a-z0-9_]+\.npz",
+                         os.path.basename(renamed[0])) if comm.rank == 0 else None
+    host = comm.broadcast_object(named.group(1) if named else None)
+    assert host is not None, renamed
+    old = time.time() - 3600
+    writing = f".tmp-ckpt-{os.getpid()}@{host}.slow12.npz"
+    if comm.rank == comm.size - 1:  # this rank's own save is still being written
+        with open(os.path.join(shared_dir, writing), "wb") as f:
+            f.write(b"half")
+        os.utime(os.path.join(shared_dir, writing), (old, old))
+    if comm.rank == 0:
+        with open(os.path.join(shared_dir, ".tmp-ckpt-killed.npz"), "wb") as f:
+            f.write(b"torn")
+        os.utime(os.path.join(shared_dir, ".tmp-ckpt-killed.npz"), (old, old))
+    writing = comm.broadcast_object(writing, root=comm.size - 1)
+    comm.barrier()
+    assert checkpoint.load_latest(shared_dir).step == 1
+    checkpoint.save(shared_dir, {"x": 2}, step=2)
+    listing = sorted(os.listdir(shared_dir))
+    assert_all_ranks(comm, listing == sorted([writing, "ckpt-000000001.npz",
+                                              "ckpt-000000002.npz"]), f"directory: {listing}")
