@@ -17,7 +17,10 @@
 * ``--max-restarts K`` relaunches a failed job up to K times with ``MPITRAIN_RESTART``
   set to the attempt number. The script must resume from its last checkpoint when it
   starts (it cannot tell a first start from a restart otherwise), e.g.
-  ``mt.elastic.State(..., checkpoint="ckpt/state")``.
+  ``mt.elastic.State(..., checkpoint="ckpt/state")``;
+* SIGINT, SIGTERM and SIGHUP are passed on to ``mpiexec`` (started in a session of its
+  own), which ends every rank; the launcher then restarts nothing and exits with
+  128 + the signal's number (:class:`Supervisor`).
 
 Open MPI and MPICH (Hydra) are supported; ``--elastic`` needs Open MPI 5.
 """
@@ -25,19 +28,28 @@ Open MPI and MPICH (Hydra) are supported; ``--elastic`` needs Open MPI 5.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from . import config
 
 YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
                "threads_pthreads_yield_strategy", "nanosleep"]
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+KILL_AFTER_S = 10.0
+"""After passing a signal on, how long ``mpiexec`` has to end the job before every process
+of its session is killed with SIGKILL."""
 
 
 @dataclass
@@ -149,6 +161,89 @@ def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
     return cmd + job.mpi_args + command
 
 
+def kill_session(session: int) -> None:
+    """SIGKILL every process of the session ``session`` (found in ``/proc``; without it,
+    the process group of the same number)."""
+    if session == os.getsid(0):
+        return  # never this launcher's own session
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.killpg(session, signal.SIGKILL)
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == session:
+                os.kill(pid, signal.SIGKILL)
+
+
+class Supervisor:
+    """Runs ``mpiexec`` in a session of its own and passes SIGINT, SIGTERM and SIGHUP on.
+
+    Inside ``with Supervisor() as s:``, the first of these signals is sent to ``mpiexec``
+    (Open MPI's ``prterun`` then kills every rank and exits) and recorded in
+    :attr:`signum`; a second signal, or ``mpiexec`` still running :data:`KILL_AFTER_S`
+    later, kills every process of its session. Ranks started on other hosts are left to
+    the MPI. A terminal's Ctrl-C reaches only the launcher, which passes it on once. A
+    signal that was ignored when the launcher started (``nohup``) stays ignored.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._forwarded = False
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Supervisor:
+        for signum in FORWARDED_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup: SIGHUP stays ignored
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def run(self, cmd: list[str], env: dict[str, str]) -> int:
+        """Run ``cmd`` to its end; its exit code (128 + N if signal N killed it)."""
+        self._proc, self._forwarded = None, False
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self._proc = proc
+        if self.signum is not None:  # the signal came before the job had a pid
+            self._forward()
+        rc = proc.wait()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.signum is not None:
+            kill_session(proc.pid)  # anything mpiexec left behind
+        return 128 - rc if rc < 0 else rc
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._forward()
+        elif self._proc is not None and self._proc.returncode is None:
+            kill_session(self._proc.pid)
+
+    def _forward(self) -> None:
+        proc = self._proc
+        if proc is None or self._forwarded or proc.returncode is not None \
+                or self.signum is None:
+            return
+        self._forwarded = True
+        try:
+            os.kill(proc.pid, self.signum)
+        except ProcessLookupError:
+            return
+        self._timer = threading.Timer(KILL_AFTER_S, kill_session, [proc.pid])
+        self._timer.daemon = True
+        self._timer.start()
+
+
 def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
     """Parse ``mpitrain-run``'s arguments."""
     p = argparse.ArgumentParser(
@@ -183,7 +278,8 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mpitrain-run`` and ``python -m mpitrain.run``; returns the exit code."""
+    """Entry point of ``mpitrain-run`` and ``python -m mpitrain.run``; returns the exit code:
+    the job's, or 128 + N when signal N stopped it."""
     job, args = parse(sys.argv[1:] if argv is None else argv)
     mpiexec = find_mpiexec()
     if args.max_restarts:
@@ -192,18 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    attempt = 0
-    while True:
-        env = dict(os.environ, MPITRAIN_RESTART=str(attempt))
-        try:
-            rc = subprocess.call(cmd, env=env)
-        except KeyboardInterrupt:
-            return 130
-        if rc == 0 or attempt >= args.max_restarts:
-            if rc != 0 and args.max_restarts:
-                print(f"mpitrain-run: the job failed (exit code {rc}) after {attempt} "
-                      "restarts; giving up", file=sys.stderr)
-            return rc
-        attempt += 1
-        print(f"mpitrain-run: the job failed (exit code {rc}); restart {attempt} of "
-              f"{args.max_restarts}, from the last checkpoint", file=sys.stderr, flush=True)
+    with Supervisor() as supervisor:
+        attempt = 0
+        while True:
+            env = dict(os.environ, MPITRAIN_RESTART=str(attempt))
+            rc = supervisor.run(cmd, env)
+            if supervisor.signum is not None:
+                name = signal.Signals(supervisor.signum).name
+                print(f"mpitrain-run: {name} received: the job was stopped"
+                      + (", and is not restarted" if args.max_restarts else ""),
+                      file=sys.stderr, flush=True)
+                return 128 + supervisor.signum
+            if rc == 0 or attempt >= args.max_restarts:
+                if rc != 0 and args.max_restarts:
+                    print(f"mpitrain-run: the job failed (exit code {rc}) after {attempt} "
+                          "restarts; giving up", file=sys.stderr)
+                return rc
+            attempt += 1
+            print(f"mpitrain-run: the job failed (exit code {rc}); restart {attempt} of "
+                  f"{args.max_restarts}, from the last checkpoint", file=sys.stderr, flush=True)

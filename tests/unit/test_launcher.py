@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -103,6 +104,14 @@ def test_mpich_flags(tmp_path: Path, clean_env: pytest.MonkeyPatch,
                    "1", "-genvlist", "PYTHONPATH", "python", "t.py"]
     with pytest.raises(SystemExit, match="--elastic needs Open MPI"):
         launcher.main(["--dry-run", "-np", "2", "--elastic", "python", "t.py"])
+
+
+def test_exit_code_of_a_job_killed_by_a_signal() -> None:
+    with launcher.Supervisor() as supervisor:
+        assert supervisor.run(["sh", "-c", "kill -TERM $$"], dict(os.environ)) == 128 + 15
+        assert supervisor.run(["sh", "-c", "exit 3"], dict(os.environ)) == 3
+        assert supervisor.signum is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
