@@ -10,8 +10,11 @@
   ``-H host:slots,...`` or a hostfile's ``slots=``), it adds ``--oversubscribe`` and
   makes idle ranks yield their core (``mpi_yield_when_idle``, nanosleep);
 * ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
-  ``PYTHONPATH`` that are set here; a command that starts with a ``.py`` file runs
-  under this Python interpreter;
+  ``PYTHONPATH`` that are set here;
+* ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
+  this Python interpreter; every rank first runs :mod:`mpitrain.run_rank`, which sets
+  torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+  (``MASTER_ADDR``/``MASTER_PORT`` are exported: the first host, a free port);
 * ``--elastic`` runs under ULFM (``--with-ft ulfm``) with ``MPITRAIN_ELASTIC=1``: a rank
   that dies lets the others go on (:mod:`mpitrain.elastic`);
 * ``--max-restarts K`` relaunches a failed job up to K times with ``MPITRAIN_RESTART``
@@ -22,6 +25,7 @@
   own), which ends every rank; the launcher then restarts nothing and exits with
   128 + the signal's number (:class:`Supervisor`).
 
+The launcher never initialises MPI: it imports nothing that imports ``mpi4py``.
 Open MPI and MPICH (Hydra) are supported; ``--elastic`` needs Open MPI 5.
 """
 
@@ -34,18 +38,23 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
-from . import config
+from . import __version__, config
 
 YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
                "threads_pthreads_yield_strategy", "nanosleep"]
+RANK_WRAPPER = Path(__file__).with_name("run_rank.py")
+"""What every rank runs first (:mod:`mpitrain.run_rank`): it sets torchrun's variables."""
+PYTHON_NAMES = ("python", "python3", "python{}.{}".format(*sys.version_info[:2]))
+"""Commands that mean this Python interpreter (``sys.executable``)."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 KILL_AFTER_S = 10.0
 """After passing a signal on, how long ``mpiexec`` has to end the job before every process
@@ -61,6 +70,7 @@ class Job:
     hosts: str | None = None
     hostfile: str | None = None
     exports: list[str] = field(default_factory=list)
+    """``-x`` arguments: ``VAR`` (its value here) or ``VAR=value``."""
     elastic: bool = False
     oversubscribe: bool = False
     mpi_args: list[str] = field(default_factory=list)
@@ -94,6 +104,12 @@ def flavor(mpiexec: str) -> str:
     return "openmpi"
 
 
+def hostfile_lines(hostfile: str) -> list[list[str]]:
+    """The words of each host line of ``hostfile`` (comments and blank lines dropped)."""
+    lines = (line.split("#", 1)[0].split() for line in Path(hostfile).read_text().splitlines())
+    return [words for words in lines if words]
+
+
 def slots(job: Job) -> int | None:
     """Slots available to the job, or None if a hostfile leaves them to the MPI."""
     if job.hosts:
@@ -104,10 +120,7 @@ def slots(job: Job) -> int | None:
         return total
     if job.hostfile:
         total = 0
-        for line in Path(job.hostfile).read_text().splitlines():
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
+        for words in hostfile_lines(job.hostfile):
             counts = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
             if not counts:
                 return None
@@ -116,17 +129,66 @@ def slots(job: Job) -> int | None:
     return os.cpu_count() or 1
 
 
+def first_host(job: Job) -> str:
+    """The host of rank 0: the first of ``-H`` or of the hostfile, else this machine."""
+    if job.hosts:
+        return job.hosts.split(",", 1)[0].partition(":")[0]
+    if job.hostfile:
+        lines = hostfile_lines(job.hostfile)
+        if lines:
+            return lines[0][0].partition(":")[0]
+    return "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now (the operating system picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def exports_of(job: Job) -> list[str]:
+    """The ``-x`` arguments, one per variable: the user's ``-x`` (the last of a name
+    wins), the ``MPITRAIN_*`` variables and ``PYTHONPATH`` set here,
+    ``MPITRAIN_ELASTIC=1`` with ``--elastic`` (over any of those), and torchrun's
+    ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here."""
+    settings = {"MPITRAIN_ELASTIC": "1"} if job.elastic else {}
+    chosen: dict[str, str] = {}
+    for export in job.exports:
+        name = export.split("=", 1)[0]
+        chosen.pop(name, None)
+        chosen[name] = export
+    for name in sorted(os.environ):
+        if (name.startswith("MPITRAIN_") and name != config.MPIEXEC.name) \
+                or name == "PYTHONPATH":
+            chosen.setdefault(name, name)
+    for name, value in settings.items():
+        chosen.pop(name, None)
+        chosen[name] = f"{name}={value}"
+    torch_defaults: dict[str, Callable[[], object]] = {
+        "MASTER_ADDR": lambda: first_host(job), "MASTER_PORT": free_port}
+    for name, default in torch_defaults.items():
+        if name not in chosen:
+            chosen[name] = name if name in os.environ else f"{name}={default()}"
+    return list(chosen.values())
+
+
+def rank_command(command: list[str]) -> list[str]:
+    """What each rank runs: :data:`RANK_WRAPPER`, then ``command`` with ``python`` (or a
+    leading ``.py`` file's interpreter) made this interpreter."""
+    command = list(command)
+    if command and command[0] in PYTHON_NAMES:
+        command[0] = sys.executable
+    elif command and command[0].endswith(".py"):
+        command.insert(0, sys.executable)
+    return [sys.executable, "-I", str(RANK_WRAPPER), *command]
+
+
 def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
     """The ``mpiexec`` command line that runs ``job`` with ``kind`` (openmpi/mpich)."""
-    exports = list(job.exports)
-    exports += [k for k in sorted(os.environ)
-                if (k.startswith("MPITRAIN_") and k != config.MPIEXEC.name) or k == "PYTHONPATH"]
-    if job.elastic:
-        exports.append("MPITRAIN_ELASTIC=1")
-    exports = list(dict.fromkeys(exports))
-    command = list(job.command)
-    if command and command[0].endswith(".py"):
-        command.insert(0, sys.executable)
+    exports = exports_of(job)
+    command = rank_command(job.command)
     if kind == "mpich":
         if job.elastic:
             raise SystemExit("mpitrain-run: --elastic needs Open MPI 5 (ULFM); MPICH has no "
@@ -249,6 +311,7 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
     p = argparse.ArgumentParser(
         prog="mpitrain-run", description="Run a training script on N ranks through mpiexec.",
         epilog="Example: mpitrain-run -np 4 --max-restarts 2 train.py --checkpoint ckpt")
+    p.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     p.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts with slots, e.g. node1:2,node2:2")
@@ -265,8 +328,14 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
     p.add_argument("--mpi-args", default="", metavar="'ARGS'",
                    help="extra mpiexec arguments, one string: --mpi-args='--tag-output'")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
+    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
+                   help="run a module on every rank (python -m MODULE ARGS); the last option")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = p.parse_args(argv)
+    if args.module is not None:
+        if not args.module:
+            p.error("-m needs a module name, e.g. mpitrain-run -np 2 -m benchmarks allreduce")
+        args.command = [sys.executable, "-m", *args.module]
     if not args.command:
         p.error("no command to run; e.g. mpitrain-run -np 4 train.py")
     if args.np < 1 or args.max_restarts < 0:

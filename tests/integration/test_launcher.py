@@ -1,5 +1,5 @@
 """mpitrain-run on real jobs: --max-restarts, giving up, ``python -m mpitrain.run``,
-signals.
+signals, ``-m module`` and torchrun's variables.
 
 Every wait is bounded: a job that hangs fails its test (and is killed) instead of
 hanging the suite.
@@ -8,6 +8,7 @@ hanging the suite.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shlex
@@ -20,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from jobrun import JOBS, Result, finish, launcher, run, start
+from jobrun import JOBS, ROOT, Result, finish, launcher, run, start
 
 from mpitrain import launcher as launcher_module
 
@@ -198,3 +199,55 @@ def test_an_mpiexec_that_ignores_the_signal_is_killed(second: int | None,
             proc.kill()
         kill_all(pids)
         finish(proc, 30)
+
+
+def rank_lines(out: str, word: str) -> list[list[str]]:
+    """The words after ``word`` of each output line that starts with it, sorted."""
+    return sorted(line.split(" ", 1)[1:] for line in out.splitlines()
+                  if line.startswith(word + " "))
+
+
+def test_ranks_see_torchrun_variables_at_import(tmp_path: Path) -> None:
+    has_torch = importlib.util.find_spec("torch") is not None
+    script = run(launcher(["-np", "2", str(JOBS / "torch_env.py"),
+                           *(["--torch"] if has_torch else [])]), 180)
+    module = run(launcher(["-np", "2", "-x", f"PYTHONPATH={ROOT}{os.pathsep}{JOBS}",
+                           "-m", "torch_env"]), 120)
+    for result in (script, module):
+        assert result.rc == 0, result.out
+        seen = [json.loads(words[0]) for words in rank_lines(result.out, "env")]
+        assert len(seen) == 2, result.out
+        assert sorted(s["RANK"] for s in seen) == ["0", "1"]
+        for s in seen:
+            assert s["RANK"] == s["LOCAL_RANK"]
+            assert s["WORLD_SIZE"] == s["LOCAL_WORLD_SIZE"] == "2"
+            assert s["MASTER_ADDR"] == "127.0.0.1" and 0 < int(s["MASTER_PORT"]) < 65536
+            assert (s["MASTER_ADDR"], s["MASTER_PORT"]) == \
+                (seen[0]["MASTER_ADDR"], seen[0]["MASTER_PORT"])
+    if has_torch:
+        assert rank_lines(script.out, "torch") == [["0 2 1"], ["1 2 1"]], script.out
+
+
+def test_module_runs_on_every_rank() -> None:
+    result = run(launcher(["-np", "2", "-m", "benchmarks", "allreduce", "-b", "8", "-e", "64",
+                           "-f", "8", "-n", "2", "-w", "1", "--impl", "mpitrain,mpi"]), 180)
+    assert result.rc == 0, result.out
+    assert "# Out of bounds values : 0 OK" in result.out
+
+
+def test_python_and_scripts_run_under_the_launchers_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "which.py"
+    script.write_text("import sys; print('python', sys.executable)\n")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    env = {"PATH": f"{bare}{os.pathsep}/usr/bin{os.pathsep}/bin"}  # no venv on PATH
+    for command in (["python", str(script)], [str(script)]):
+        result = run(launcher(["-np", "2", *command]), 120, **env)
+        assert result.rc == 0, result.out
+        assert rank_lines(result.out, "python") == [[sys.executable]] * 2, result.out
+
+
+def test_version_without_mpi() -> None:
+    done = subprocess.run(launcher(["--version"]), capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+    assert done.returncode == 0 and done.stdout.startswith("mpitrain "), done.stderr
