@@ -9,6 +9,8 @@
 * when the ranks outnumber the slots (this machine's cores, or the slots given with
   ``-H host:slots,...`` or a hostfile's ``slots=``), it adds ``--oversubscribe`` and
   makes idle ranks yield their core (``mpi_yield_when_idle``, nanosleep);
+* with Open MPI, ``--mca osc ^ucx`` unless the ``osc`` parameter is set otherwise
+  (without UCX devices that component prints an error per rank for every window);
 * ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
   ``PYTHONPATH`` that are set here;
 * ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
@@ -51,6 +53,11 @@ from . import __version__, config
 
 YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
                "threads_pthreads_yield_strategy", "nanosleep"]
+QUIET_FLAGS = ["--mca", "osc", "^ucx"]
+"""Open MPI's ``osc/ucx`` prints ``OSC UCX component priority set inside component query
+failed`` on every rank that makes a window when there are no UCX devices."""
+MCA_OPTIONS = ("--mca", "-mca", "--omca", "-omca")
+"""The ``mpiexec`` options that set an Open MPI MCA parameter."""
 RANK_WRAPPER = Path(__file__).with_name("run_rank.py")
 """What every rank runs first (:mod:`mpitrain.run_rank`): it sets torchrun's variables."""
 PYTHON_NAMES = ("python", "python3", "python{}.{}".format(*sys.version_info[:2]))
@@ -73,6 +80,7 @@ class Job:
     """``-x`` arguments: ``VAR`` (its value here) or ``VAR=value``."""
     elastic: bool = False
     oversubscribe: bool = False
+    mca: list[tuple[str, str]] = field(default_factory=list)
     mpi_args: list[str] = field(default_factory=list)
 
 
@@ -174,6 +182,17 @@ def exports_of(job: Job) -> list[str]:
     return list(chosen.values())
 
 
+def user_sets_mca(job: Job, parameter: str) -> bool:
+    """Whether the user set the MCA parameter: by ``--mca`` (launcher or ``--mpi-args``),
+    by ``-x OMPI_MCA_<parameter>``, or in this environment."""
+    variable = f"OMPI_MCA_{parameter}"
+    if variable in os.environ or any(e.split("=", 1)[0] == variable for e in job.exports):
+        return True
+    args = job.mpi_args
+    return (any(name == parameter for name, _ in job.mca)
+            or any(a in MCA_OPTIONS and b == parameter for a, b in zip(args, args[1:])))
+
+
 def rank_command(command: list[str]) -> list[str]:
     """What each rank runs: :data:`RANK_WRAPPER`, then ``command`` with ``python`` (or a
     leading ``.py`` file's interpreter) made this interpreter."""
@@ -193,6 +212,9 @@ def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
         if job.elastic:
             raise SystemExit("mpitrain-run: --elastic needs Open MPI 5 (ULFM); MPICH has no "
                              "working fault tolerance. Drop --elastic or use Open MPI.")
+        if job.mca:
+            raise SystemExit("mpitrain-run: --mca sets Open MPI parameters; MPICH has none. "
+                             "Drop it, or pass MPICH's options with --mpi-args.")
         cmd = [mpiexec, "-n", str(job.np), "-bind-to", "none"]
         if job.hosts:
             cmd += ["-hosts", job.hosts]
@@ -216,10 +238,14 @@ def build_command(job: Job, mpiexec: str, kind: str) -> list[str]:
     available = slots(job)
     if job.oversubscribe or (available is not None and job.np > available):
         cmd += ["--oversubscribe", *YIELD_FLAGS]
+    if not user_sets_mca(job, "osc"):
+        cmd += QUIET_FLAGS
     if job.elastic:
         cmd += ["--with-ft", "ulfm"]
     for export in exports:
         cmd += ["-x", export]
+    for name, value in job.mca:
+        cmd += ["--mca", name, value]
     return cmd + job.mpi_args + command
 
 
@@ -325,6 +351,8 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
                         "its last checkpoint when it starts")
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow more ranks than slots even when the slots are not known")
+    p.add_argument("--mca", "-mca", nargs=2, action="append", default=[],
+                   metavar=("NAME", "VALUE"), help="an Open MPI MCA parameter (repeatable)")
     p.add_argument("--mpi-args", default="", metavar="'ARGS'",
                    help="extra mpiexec arguments, one string: --mpi-args='--tag-output'")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
@@ -342,7 +370,7 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
         p.error("-np must be >= 1 and --max-restarts >= 0")
     job = Job(command=args.command, np=args.np, hosts=args.hosts, hostfile=args.hostfile,
               exports=args.exports, elastic=args.elastic, oversubscribe=args.oversubscribe,
-              mpi_args=shlex.split(args.mpi_args))
+              mca=[(n, v) for n, v in args.mca], mpi_args=shlex.split(args.mpi_args))
     return job, args
 
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROOT_FLAGS = ["--allow-run-as-root"] if os.geteuid() == 0 else []
 YIELD = ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--mca",
          "threads_pthreads_yield_strategy", "nanosleep"]
+QUIET = ["--mca", "osc", "^ucx"]
 WRAPPER = [sys.executable, "-I", str(launcher.RANK_WRAPPER)]
 PORT = 29500
 
@@ -34,10 +35,11 @@ def fake_mpiexec(tmp_path: Path, version: str) -> str:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No MPITRAIN_* or MASTER_* variables; PYTHONPATH set, as under the test suite's
-    jobs; the free port the launcher picks is always :data:`PORT`."""
+    """No MPITRAIN_*, MASTER_* or OMPI_MCA_osc variables; PYTHONPATH set, as under the test
+    suite's jobs; the free port the launcher picks is always :data:`PORT`."""
     for key in list(os.environ):
-        if key.startswith("MPITRAIN_") or key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key.startswith("MPITRAIN_") or key in ("MASTER_ADDR", "MASTER_PORT",
+                                                  "OMPI_MCA_osc"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("PYTHONPATH", "/src")
     monkeypatch.setattr(launcher, "free_port", lambda: PORT)
@@ -75,7 +77,7 @@ def test_defaults_and_script_under_this_python(openmpi: str, clean_env: pytest.M
     cmd = dry_run(["-np", "2", "-H", "a:1,b:1", "train.py", "--lr", "0.1"], openmpi,
                   clean_env, capsys)
     assert cmd == [openmpi, "-np", "2", *ROOT_FLAGS, "--bind-to", "none", "-H", "a:1,b:1",
-                   "-x", "PYTHONPATH", "-x", "MASTER_ADDR=a", "-x",
+                   *QUIET, "-x", "PYTHONPATH", "-x", "MASTER_ADDR=a", "-x",
                    f"MASTER_PORT={PORT}", *WRAPPER, sys.executable, "train.py", "--lr", "0.1"]
 
 
@@ -108,13 +110,13 @@ def test_exports_elastic_and_extra_arguments(openmpi: str, clean_env: pytest.Mon
     clean_env.setenv("MPITRAIN_ELASTIC", "0")  # --elastic wins
     flags, _ = split(dry_run(["-np", "4", "-H", "a:4", "-x", "OMP_NUM_THREADS=1", "-x", "HOME",
                               "-x", "OMP_NUM_THREADS=2", "--elastic", "--max-restarts", "2",
-                              "--mpi-args=--tag-output -v",
+                              "--mca", "btl", "self,tcp", "--mpi-args=--tag-output -v",
                               "python", "train.py"], openmpi, clean_env, capsys))
     assert flags[flags.index("--with-ft") + 1] == "ulfm"
     assert exported(flags) == ["HOME", "OMP_NUM_THREADS=2", "MPITRAIN_RESTART",
                                "MPITRAIN_STALL_WARNING_S", "PYTHONPATH", "MPITRAIN_ELASTIC=1",
                                "MASTER_ADDR=a", f"MASTER_PORT={PORT}"]
-    assert flags[-2:] == ["--tag-output", "-v"]
+    assert flags[-5:] == ["--mca", "btl", "self,tcp", "--tag-output", "-v"]
 
 
 def test_mpich_flags(tmp_path: Path, clean_env: pytest.MonkeyPatch,
@@ -127,6 +129,8 @@ def test_mpich_flags(tmp_path: Path, clean_env: pytest.MonkeyPatch,
                    "-genvlist", "PYTHONPATH", *WRAPPER, sys.executable, "t.py"]
     with pytest.raises(SystemExit, match="--elastic needs Open MPI"):
         launcher.main(["--dry-run", "-np", "2", "--elastic", "python", "t.py"])
+    with pytest.raises(SystemExit, match="--mca sets Open MPI parameters"):
+        launcher.main(["--dry-run", "-np", "2", "--mca", "btl", "tcp", "python", "t.py"])
 
 
 def test_python_scripts_and_modules_run_under_this_interpreter(
@@ -146,6 +150,23 @@ def test_python_scripts_and_modules_run_under_this_interpreter(
     assert ranks_run("hostname") == ["hostname"]
     flags, _ = split(dry_run(["-np", "2", "-x", "A", "-m", "mod"], openmpi, clean_env, capsys))
     assert flags[:3] == [openmpi, "-np", "2"] and "A" in exported(flags)
+
+
+def test_quiet_osc_unless_the_user_sets_it(openmpi: str, clean_env: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    def flags(*args: str) -> list[str]:
+        return split(dry_run(["-np", "2", *args, "python", "x.py"], openmpi, clean_env,
+                             capsys))[0]
+
+    assert flags()[-len(QUIET) - 6:-6] == QUIET  # before the -x arguments
+    assert QUIET[1:] == ["osc", "^ucx"] and "^ucx" in flags("--mca", "btl", "tcp,self")
+    assert flags("--mca", "osc", "pt2pt")[-3:] == ["--mca", "osc", "pt2pt"]
+    assert "^ucx" not in flags("--mca", "osc", "pt2pt")
+    assert "^ucx" not in flags("-mca", "osc", "rdma")
+    assert "^ucx" not in flags("--mpi-args=--mca osc rdma")
+    assert "^ucx" not in flags("-x", "OMPI_MCA_osc=sm")
+    clean_env.setenv("OMPI_MCA_osc", "ucx")
+    assert "^ucx" not in flags()
 
 
 def test_torchrun_rendezvous_variables(openmpi: str, tmp_path: Path,
@@ -209,7 +230,8 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
                           (["-np", "0", "python"], "-np must be >= 1"),
                           (["-np", "2", "-H", "a", "--hostfile", "h", "python"],
                            "not allowed with"),
-                          (["-np", "2", "-m"], "-m needs a module name")):
+                          (["-np", "2", "-m"], "-m needs a module name"),
+                          (["-np", "2", "--mca", "osc"], "expected 2 arguments")):
         with pytest.raises(SystemExit) as exc:
             launcher.parse(args)
         assert exc.value.code == 2
