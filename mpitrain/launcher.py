@@ -12,7 +12,8 @@
 * with Open MPI, ``--mca osc ^ucx`` unless the ``osc`` parameter is set otherwise
   (without UCX devices that component prints an error per rank for every window);
 * ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
-  ``PYTHONPATH`` that are set here;
+  ``PYTHONPATH`` that are set here, and horovodrun's flags (``--fusion-threshold-mb``,
+  ``--cycle-time-ms``, ``--timeline-filename``, ``--log-level``) as ``MPITRAIN_*``;
 * ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
   this Python interpreter; every rank first runs :mod:`mpitrain.run_rank`, which sets
   torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
@@ -66,6 +67,8 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 KILL_AFTER_S = 10.0
 """After passing a signal on, how long ``mpiexec`` has to end the job before every process
 of its session is killed with SIGKILL."""
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+"""horovodrun's ``--log-level`` choices."""
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Job:
     hostfile: str | None = None
     exports: list[str] = field(default_factory=list)
     """``-x`` arguments: ``VAR`` (its value here) or ``VAR=value``."""
+    settings: dict[str, str] = field(default_factory=dict)
+    """Variables the launcher's flags set on every rank (they win over ``exports``)."""
     elastic: bool = False
     oversubscribe: bool = False
     mca: list[tuple[str, str]] = field(default_factory=list)
@@ -158,10 +163,12 @@ def free_port() -> int:
 
 def exports_of(job: Job) -> list[str]:
     """The ``-x`` arguments, one per variable: the user's ``-x`` (the last of a name
-    wins), the ``MPITRAIN_*`` variables and ``PYTHONPATH`` set here,
-    ``MPITRAIN_ELASTIC=1`` with ``--elastic`` (over any of those), and torchrun's
+    wins), the ``MPITRAIN_*`` variables and ``PYTHONPATH`` set here, the launcher's
+    settings and ``MPITRAIN_ELASTIC=1`` (over any of those), and torchrun's
     ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here."""
-    settings = {"MPITRAIN_ELASTIC": "1"} if job.elastic else {}
+    settings = dict(job.settings)
+    if job.elastic:
+        settings["MPITRAIN_ELASTIC"] = "1"
     chosen: dict[str, str] = {}
     for export in job.exports:
         name = export.split("=", 1)[0]
@@ -355,6 +362,17 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
                    metavar=("NAME", "VALUE"), help="an Open MPI MCA parameter (repeatable)")
     p.add_argument("--mpi-args", default="", metavar="'ARGS'",
                    help="extra mpiexec arguments, one string: --mpi-args='--tag-output'")
+    hvd = p.add_argument_group("horovodrun's flags, as MPITRAIN_* variables on every rank")
+    hvd.add_argument("--fusion-threshold-mb", type=int, metavar="MB",
+                     help="fusion buffer size in MiB (MPITRAIN_FUSION_THRESHOLD; 0: no fusion)")
+    hvd.add_argument("--cycle-time-ms", type=float, metavar="MS",
+                     help="async engine cycle time (MPITRAIN_CYCLE_TIME_MS)")
+    hvd.add_argument("--timeline-filename", metavar="FILE",
+                     help="Chrome-trace timeline that rank 0 writes (MPITRAIN_TIMELINE)")
+    hvd.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                     help="MPITRAIN_LOG_LEVEL")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the mpiexec command (to stderr) before running it")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
                    help="run a module on every rank (python -m MODULE ARGS); the last option")
@@ -368,9 +386,23 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
         p.error("no command to run; e.g. mpitrain-run -np 4 train.py")
     if args.np < 1 or args.max_restarts < 0:
         p.error("-np must be >= 1 and --max-restarts >= 0")
+    settings = {}
+    if args.fusion_threshold_mb is not None:
+        if args.fusion_threshold_mb < 0:
+            p.error("--fusion-threshold-mb must be >= 0 (0 turns fusion off)")
+        settings[config.FUSION_THRESHOLD.name] = str(args.fusion_threshold_mb << 20)
+    if args.cycle_time_ms is not None:
+        if not args.cycle_time_ms > 0:
+            p.error("--cycle-time-ms must be > 0 (milliseconds)")
+        settings[config.CYCLE_TIME_MS.name] = repr(args.cycle_time_ms)
+    if args.timeline_filename is not None:
+        settings[config.TIMELINE.name] = args.timeline_filename
+    if args.log_level is not None:
+        settings["MPITRAIN_LOG_LEVEL"] = args.log_level
     job = Job(command=args.command, np=args.np, hosts=args.hosts, hostfile=args.hostfile,
-              exports=args.exports, elastic=args.elastic, oversubscribe=args.oversubscribe,
-              mca=[(n, v) for n, v in args.mca], mpi_args=shlex.split(args.mpi_args))
+              exports=args.exports, settings=settings, elastic=args.elastic,
+              oversubscribe=args.oversubscribe, mca=[(n, v) for n, v in args.mca],
+              mpi_args=shlex.split(args.mpi_args))
     return job, args
 
 
@@ -385,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    if args.verbose:
+        print(f"mpitrain-run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     with Supervisor() as supervisor:
         attempt = 0
         while True:

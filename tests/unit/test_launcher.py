@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import mpitrain
-from mpitrain import launcher
+from mpitrain import config, launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOT_FLAGS = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -169,6 +169,30 @@ def test_quiet_osc_unless_the_user_sets_it(openmpi: str, clean_env: pytest.Monke
     assert "^ucx" not in flags()
 
 
+def test_horovodrun_flags_become_mpitrain_variables(
+        openmpi: str, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clean_env.setenv("MPITRAIN_FUSION_THRESHOLD", "1M")  # the flag wins
+    flags, _ = split(dry_run(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms",
+                              "2.5", "--timeline-filename", "out/t.json", "--log-level",
+                              "debug", "-x", "MPITRAIN_TIMELINE=other.json", "python",
+                              "x.py"], openmpi, clean_env, capsys))
+    variables = dict(e.split("=", 1) for e in exported(flags) if "=" in e)
+    assert variables["MPITRAIN_FUSION_THRESHOLD"] == str(32 << 20)
+    assert variables["MPITRAIN_CYCLE_TIME_MS"] == "2.5"
+    assert variables["MPITRAIN_TIMELINE"] == "out/t.json"
+    assert variables["MPITRAIN_LOG_LEVEL"] == "DEBUG"
+    names = [e.split("=", 1)[0] for e in exported(flags)]
+    assert len(names) == len(set(names))
+    # what the ranks read back
+    assert config.FUSION_THRESHOLD.parse(variables["MPITRAIN_FUSION_THRESHOLD"]) == 32 << 20
+    assert config.CYCLE_TIME_MS.parse(variables["MPITRAIN_CYCLE_TIME_MS"]) == 2.5
+    for name in ("FUSION_THRESHOLD", "CYCLE_TIME_MS", "TIMELINE"):
+        assert f"MPITRAIN_{name}" == getattr(config, name).name
+    flags, _ = split(dry_run(["-np", "2", "--fusion-threshold-mb", "0", "python", "x.py"],
+                             openmpi, clean_env, capsys))
+    assert "MPITRAIN_FUSION_THRESHOLD=0" in exported(flags)
+
+
 def test_torchrun_rendezvous_variables(openmpi: str, tmp_path: Path,
                                        clean_env: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,6 +236,15 @@ def test_launcher_does_not_import_mpi(openmpi: str) -> None:
     assert done.stdout.strip().splitlines()[-1] == "mpi4py imported: False"
 
 
+def test_verbose_prints_the_command_before_running_it(
+        openmpi: str, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clean_env.setenv("MPITRAIN_MPIEXEC", openmpi)  # runs and exits 0
+    assert launcher.main(["--verbose", "-np", "1", "python", "x.py"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain-run: {openmpi} -np 1 ")
+    assert err.rstrip().endswith(f"{sys.executable} x.py")
+
+
 def test_exit_code_of_a_job_killed_by_a_signal() -> None:
     with launcher.Supervisor() as supervisor:
         assert supervisor.run(["sh", "-c", "kill -TERM $$"], dict(os.environ)) == 128 + 15
@@ -231,6 +264,13 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
                           (["-np", "2", "-H", "a", "--hostfile", "h", "python"],
                            "not allowed with"),
                           (["-np", "2", "-m"], "-m needs a module name"),
+                          (["-np", "2", "--fusion-threshold-mb", "-1", "x.py"],
+                           "--fusion-threshold-mb must be >= 0"),
+                          (["-np", "2", "--fusion-threshold-mb", "1.5", "x.py"],
+                           "invalid int value"),
+                          (["-np", "2", "--cycle-time-ms", "0", "x.py"],
+                           "--cycle-time-ms must be > 0"),
+                          (["-np", "2", "--log-level", "chatty", "x.py"], "invalid choice"),
                           (["-np", "2", "--mca", "osc"], "expected 2 arguments")):
         with pytest.raises(SystemExit) as exc:
             launcher.parse(args)
