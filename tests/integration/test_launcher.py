@@ -158,6 +158,21 @@ def test_no_restart_after_a_signal(tmp_path: Path) -> None:
                                                               "attempt0.rank1.pid"]
 
 
+def test_a_job_that_outlives_its_timeout_is_killed_with_every_rank(tmp_path: Path) -> None:
+    """The harness's own timeout (jobrun.finish) ends mpiexec's session and the ranks too."""
+    proc = start(launcher(["-np", "2", str(JOBS / "sleeper.py"), str(tmp_path)]))
+    assert wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2 or proc.poll() is not None,
+                    90)
+    ranks = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    below = children(proc.pid)
+    result = finish(proc, 1)
+    try:
+        assert result.rc == -1 and "[killed after 1 s]" in result.out
+        assert wait_for(lambda: not any(alive(pid) for pid in ranks + below), 5)
+    finally:
+        kill_all(ranks + below)
+
+
 STUBBORN_MPIEXEC = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "mpiexec (Open MPI) 5.0.11"; exit 0; fi
 trap '' TERM INT HUP
