@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -53,15 +54,45 @@ def start(cmd: list[str], **env: str) -> subprocess.Popen[str]:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from ``/proc``."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, parent in parent_of.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
 def finish(proc: subprocess.Popen[str], timeout: float, started: float | None = None) -> Result:
-    """Wait for ``proc``; kill its whole session if it outlives ``timeout``."""
+    """Wait for ``proc``; kill it and every process below it if it outlives ``timeout``.
+
+    Not only its session: ``mpitrain-run`` starts ``mpiexec`` in a session of its own, and
+    Open MPI's ranks are in process groups of their own.
+    """
     started = time.monotonic() if started is None else started
     try:
         out, _ = proc.communicate(timeout=max(0.0, timeout - (time.monotonic() - started)))
         return Result(proc.returncode, out, time.monotonic() - started)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something else still holds the output pipe
+            proc.kill()
+            out = "[output lost]"
         return Result(-1, out + f"\n[killed after {timeout:.0f} s]",
                       time.monotonic() - started)
 

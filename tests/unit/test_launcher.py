@@ -1,20 +1,28 @@
-"""mpitrain-run: the mpiexec command lines it builds (``--dry-run``, in this process)."""
+"""mpitrain-run: the mpiexec command lines it builds (``--dry-run``, in this process), its
+flags, and what every rank runs first (mpitrain.run_rank)."""
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mpitrain import launcher
+import mpitrain
+from mpitrain import config, launcher
 
+ROOT = Path(__file__).resolve().parents[2]
 ROOT_FLAGS = ["--allow-run-as-root"] if os.geteuid() == 0 else []
 YIELD = ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--mca",
          "threads_pthreads_yield_strategy", "nanosleep"]
+QUIET = ["--mca", "osc", "^ucx"]
+WRAPPER = [sys.executable, "-I", str(launcher.RANK_WRAPPER)]
+PORT = 29500
 
 
 def fake_mpiexec(tmp_path: Path, version: str) -> str:
@@ -27,11 +35,14 @@ def fake_mpiexec(tmp_path: Path, version: str) -> str:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No MPITRAIN_* variables; PYTHONPATH set, as under the test suite's jobs."""
+    """No MPITRAIN_*, MASTER_* or OMPI_MCA_osc variables; PYTHONPATH set, as under the test
+    suite's jobs; the free port the launcher picks is always :data:`PORT`."""
     for key in list(os.environ):
-        if key.startswith("MPITRAIN_"):
+        if key.startswith("MPITRAIN_") or key in ("MASTER_ADDR", "MASTER_PORT",
+                                                  "OMPI_MCA_osc"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("PYTHONPATH", "/src")
+    monkeypatch.setattr(launcher, "free_port", lambda: PORT)
     return monkeypatch
 
 
@@ -44,6 +55,18 @@ def dry_run(args: list[str], mpiexec: str | None, env: pytest.MonkeyPatch,
     return shlex.split(capsys.readouterr().out.strip())
 
 
+def split(cmd: list[str]) -> tuple[list[str], list[str]]:
+    """(mpiexec and its flags, what every rank runs after the wrapper)."""
+    at = cmd.index(str(launcher.RANK_WRAPPER))
+    assert cmd[at - 2:at + 1] == WRAPPER
+    return cmd[:at - 2], cmd[at + 1:]
+
+
+def exported(flags: list[str]) -> list[str]:
+    """The ``-x`` arguments of an Open MPI command line."""
+    return [flags[i + 1] for i, f in enumerate(flags) if f == "-x"]
+
+
 @pytest.fixture
 def openmpi(tmp_path: Path) -> str:
     return fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.11")
@@ -54,14 +77,15 @@ def test_defaults_and_script_under_this_python(openmpi: str, clean_env: pytest.M
     cmd = dry_run(["-np", "2", "-H", "a:1,b:1", "train.py", "--lr", "0.1"], openmpi,
                   clean_env, capsys)
     assert cmd == [openmpi, "-np", "2", *ROOT_FLAGS, "--bind-to", "none", "-H", "a:1,b:1",
-                   "-x", "PYTHONPATH", sys.executable, "train.py", "--lr", "0.1"]
+                   *QUIET, "-x", "PYTHONPATH", "-x", "MASTER_ADDR=a", "-x",
+                   f"MASTER_PORT={PORT}", *WRAPPER, sys.executable, "train.py", "--lr", "0.1"]
 
 
 def test_oversubscribes_and_yields_when_ranks_outnumber_slots(
         openmpi: str, tmp_path: Path, clean_env: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     def flags(*args: str) -> list[str]:
-        return dry_run([*args, "python", "x.py"], openmpi, clean_env, capsys)
+        return split(dry_run([*args, "python", "x.py"], openmpi, clean_env, capsys))[0]
 
     cmd = flags("-np", "5", "-H", "a:2,b:2")
     assert cmd[cmd.index("a:2,b:2") + 1:][:len(YIELD)] == YIELD
@@ -83,15 +107,16 @@ def test_oversubscribes_and_yields_when_ranks_outnumber_slots(
 def test_exports_elastic_and_extra_arguments(openmpi: str, clean_env: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     clean_env.setenv("MPITRAIN_STALL_WARNING_S", "30")
-    cmd = dry_run(["-np", "4", "-H", "a:4", "-x", "OMP_NUM_THREADS=1", "-x", "HOME",
-                   "--elastic", "--max-restarts", "2", "--mpi-args=--tag-output -v",
-                   "python", "train.py"], openmpi, clean_env, capsys)
-    flags = cmd[:cmd.index("python")]
+    clean_env.setenv("MPITRAIN_ELASTIC", "0")  # --elastic wins
+    flags, _ = split(dry_run(["-np", "4", "-H", "a:4", "-x", "OMP_NUM_THREADS=1", "-x", "HOME",
+                              "-x", "OMP_NUM_THREADS=2", "--elastic", "--max-restarts", "2",
+                              "--mca", "btl", "self,tcp", "--mpi-args=--tag-output -v",
+                              "python", "train.py"], openmpi, clean_env, capsys))
     assert flags[flags.index("--with-ft") + 1] == "ulfm"
-    exported = [flags[i + 1] for i, f in enumerate(flags) if f == "-x"]
-    assert exported == ["OMP_NUM_THREADS=1", "HOME", "MPITRAIN_RESTART",
-                        "MPITRAIN_STALL_WARNING_S", "PYTHONPATH", "MPITRAIN_ELASTIC=1"]
-    assert flags[-2:] == ["--tag-output", "-v"]
+    assert exported(flags) == ["HOME", "OMP_NUM_THREADS=2", "MPITRAIN_RESTART",
+                               "MPITRAIN_STALL_WARNING_S", "PYTHONPATH", "MPITRAIN_ELASTIC=1",
+                               "MASTER_ADDR=a", f"MASTER_PORT={PORT}"]
+    assert flags[-5:] == ["--mca", "btl", "self,tcp", "--tag-output", "-v"]
 
 
 def test_mpich_flags(tmp_path: Path, clean_env: pytest.MonkeyPatch,
@@ -100,9 +125,132 @@ def test_mpich_flags(tmp_path: Path, clean_env: pytest.MonkeyPatch,
     cmd = dry_run(["-np", "3", "-H", "a:2,b:2", "-x", "A=1", "python", "t.py"], mpich,
                   clean_env, capsys)
     assert cmd == [mpich, "-n", "3", "-bind-to", "none", "-hosts", "a:2,b:2", "-genv", "A",
-                   "1", "-genvlist", "PYTHONPATH", "python", "t.py"]
+                   "1", "-genv", "MASTER_ADDR", "a", "-genv", "MASTER_PORT", str(PORT),
+                   "-genvlist", "PYTHONPATH", *WRAPPER, sys.executable, "t.py"]
     with pytest.raises(SystemExit, match="--elastic needs Open MPI"):
         launcher.main(["--dry-run", "-np", "2", "--elastic", "python", "t.py"])
+    with pytest.raises(SystemExit, match="--mca sets Open MPI parameters"):
+        launcher.main(["--dry-run", "-np", "2", "--mca", "btl", "tcp", "python", "t.py"])
+
+
+def test_python_scripts_and_modules_run_under_this_interpreter(
+        openmpi: str, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def ranks_run(*args: str) -> list[str]:
+        return split(dry_run(["-np", "2", *args], openmpi, clean_env, capsys))[1]
+
+    me = sys.executable
+    assert ranks_run("python", "x.py", "-v") == [me, "x.py", "-v"]
+    assert ranks_run("python3", "-c", "pass") == [me, "-c", "pass"]
+    assert ranks_run("python{}.{}".format(*sys.version_info[:2]), "x.py") == [me, "x.py"]
+    assert ranks_run("x.py", "--lr", "1") == [me, "x.py", "--lr", "1"]
+    assert ranks_run("-m", "benchmarks", "allreduce", "-b", "8", "-np", "3") == \
+        [me, "-m", "benchmarks", "allreduce", "-b", "8", "-np", "3"]
+    assert ranks_run("python", "-m", "benchmarks") == [me, "-m", "benchmarks"]
+    assert ranks_run("/usr/bin/python3", "x.py") == ["/usr/bin/python3", "x.py"]
+    assert ranks_run("hostname") == ["hostname"]
+    flags, _ = split(dry_run(["-np", "2", "-x", "A", "-m", "mod"], openmpi, clean_env, capsys))
+    assert flags[:3] == [openmpi, "-np", "2"] and "A" in exported(flags)
+
+
+def test_quiet_osc_unless_the_user_sets_it(openmpi: str, clean_env: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    def flags(*args: str) -> list[str]:
+        return split(dry_run(["-np", "2", *args, "python", "x.py"], openmpi, clean_env,
+                             capsys))[0]
+
+    assert flags()[-len(QUIET) - 6:-6] == QUIET  # before the -x arguments
+    assert QUIET[1:] == ["osc", "^ucx"] and "^ucx" in flags("--mca", "btl", "tcp,self")
+    assert flags("--mca", "osc", "pt2pt")[-3:] == ["--mca", "osc", "pt2pt"]
+    assert "^ucx" not in flags("--mca", "osc", "pt2pt")
+    assert "^ucx" not in flags("-mca", "osc", "rdma")
+    assert "^ucx" not in flags("--mpi-args=--mca osc rdma")
+    assert "^ucx" not in flags("-x", "OMPI_MCA_osc=sm")
+    clean_env.setenv("OMPI_MCA_osc", "ucx")
+    assert "^ucx" not in flags()
+
+
+def test_horovodrun_flags_become_mpitrain_variables(
+        openmpi: str, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clean_env.setenv("MPITRAIN_FUSION_THRESHOLD", "1M")  # the flag wins
+    flags, _ = split(dry_run(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms",
+                              "2.5", "--timeline-filename", "out/t.json", "--log-level",
+                              "debug", "-x", "MPITRAIN_TIMELINE=other.json", "python",
+                              "x.py"], openmpi, clean_env, capsys))
+    variables = dict(e.split("=", 1) for e in exported(flags) if "=" in e)
+    assert variables["MPITRAIN_FUSION_THRESHOLD"] == str(32 << 20)
+    assert variables["MPITRAIN_CYCLE_TIME_MS"] == "2.5"
+    assert variables["MPITRAIN_TIMELINE"] == "out/t.json"
+    assert variables["MPITRAIN_LOG_LEVEL"] == "DEBUG"
+    names = [e.split("=", 1)[0] for e in exported(flags)]
+    assert len(names) == len(set(names))
+    # what the ranks read back
+    assert config.FUSION_THRESHOLD.parse(variables["MPITRAIN_FUSION_THRESHOLD"]) == 32 << 20
+    assert config.CYCLE_TIME_MS.parse(variables["MPITRAIN_CYCLE_TIME_MS"]) == 2.5
+    for name in ("FUSION_THRESHOLD", "CYCLE_TIME_MS", "TIMELINE"):
+        assert f"MPITRAIN_{name}" == getattr(config, name).name
+    flags, _ = split(dry_run(["-np", "2", "--fusion-threshold-mb", "0", "python", "x.py"],
+                             openmpi, clean_env, capsys))
+    assert "MPITRAIN_FUSION_THRESHOLD=0" in exported(flags)
+
+
+def test_torchrun_rendezvous_variables(openmpi: str, tmp_path: Path,
+                                       clean_env: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    def torch_exports(*args: str) -> list[str]:
+        flags, _ = split(dry_run(["-np", "2", *args, "python", "x.py"], openmpi, clean_env,
+                                 capsys))
+        return [e for e in exported(flags) if e.startswith("MASTER_")]
+
+    assert torch_exports() == ["MASTER_ADDR=127.0.0.1", f"MASTER_PORT={PORT}"]
+    assert torch_exports("-H", "node7:2,node8:2") == ["MASTER_ADDR=node7",
+                                                      f"MASTER_PORT={PORT}"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# nodes\n\nnode3 slots=2\nnode4 slots=2\n")
+    assert torch_exports("--hostfile", str(hostfile))[0] == "MASTER_ADDR=node3"
+    assert torch_exports("-x", "MASTER_PORT=1234") == ["MASTER_PORT=1234",
+                                                       "MASTER_ADDR=127.0.0.1"]
+    clean_env.setenv("MASTER_ADDR", "head")
+    assert torch_exports() == ["MASTER_ADDR", f"MASTER_PORT={PORT}"]
+
+
+def test_free_port_is_a_port() -> None:
+    assert 0 < launcher.free_port() < 65536
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        launcher.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"mpitrain {mpitrain.__version__}\n"
+
+
+def test_launcher_does_not_import_mpi(openmpi: str) -> None:
+    code = ("import sys\n"
+            "from mpitrain import launcher\n"
+            "assert launcher.main(['--dry-run', '-np', '2', '-m', 'benchmarks', 'x']) == 0\n"
+            "print('mpi4py imported:', 'mpi4py' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPITRAIN_MPIEXEC=openmpi)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "mpi4py imported: False"
+
+
+def test_verbose_prints_the_command_before_running_it(
+        openmpi: str, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clean_env.setenv("MPITRAIN_MPIEXEC", openmpi)  # runs and exits 0
+    assert launcher.main(["--verbose", "-np", "1", "python", "x.py"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain-run: {openmpi} -np 1 ")
+    assert err.rstrip().endswith(f"{sys.executable} x.py")
+
+
+def test_exit_code_of_a_job_killed_by_a_signal() -> None:
+    with launcher.Supervisor() as supervisor:
+        assert supervisor.run(["sh", "-c", "kill -TERM $$"], dict(os.environ)) == 128 + 15
+        assert supervisor.run(["sh", "-c", "exit 3"], dict(os.environ)) == 3
+        assert supervisor.signum is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
@@ -114,7 +262,16 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
                           (["python", "x.py"], "-np"),
                           (["-np", "0", "python"], "-np must be >= 1"),
                           (["-np", "2", "-H", "a", "--hostfile", "h", "python"],
-                           "not allowed with")):
+                           "not allowed with"),
+                          (["-np", "2", "-m"], "-m needs a module name"),
+                          (["-np", "2", "--fusion-threshold-mb", "-1", "x.py"],
+                           "--fusion-threshold-mb must be >= 0"),
+                          (["-np", "2", "--fusion-threshold-mb", "1.5", "x.py"],
+                           "invalid int value"),
+                          (["-np", "2", "--cycle-time-ms", "0", "x.py"],
+                           "--cycle-time-ms must be > 0"),
+                          (["-np", "2", "--log-level", "chatty", "x.py"], "invalid choice"),
+                          (["-np", "2", "--mca", "osc"], "expected 2 arguments")):
         with pytest.raises(SystemExit) as exc:
             launcher.parse(args)
         assert exc.value.code == 2
@@ -122,5 +279,5 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
 
 
 def test_console_script_is_declared() -> None:
-    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    setup = (ROOT / "setup.py").read_text()
     assert '"mpitrain-run = mpitrain.launcher:main"' in setup
