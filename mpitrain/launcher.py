@@ -67,8 +67,9 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 KILL_AFTER_S = 10.0
 """After passing a signal on, how long ``mpiexec`` has to end the job before every process
 of its session is killed with SIGKILL."""
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-"""horovodrun's ``--log-level`` choices."""
+LOG_LEVELS = {"TRACE": "debug", "DEBUG": "debug", "INFO": "info", "WARNING": "warning",
+              "ERROR": "error", "FATAL": "critical"}
+"""horovodrun's ``--log-level`` choices and the ``MPITRAIN_LOG_LEVEL`` each becomes."""
 
 
 @dataclass
@@ -398,7 +399,7 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
     if args.timeline_filename is not None:
         settings[config.TIMELINE.name] = args.timeline_filename
     if args.log_level is not None:
-        settings["MPITRAIN_LOG_LEVEL"] = args.log_level
+        settings[config.LOG_LEVEL.name] = LOG_LEVELS[args.log_level]
     job = Job(command=args.command, np=args.np, hosts=args.hosts, hostfile=args.hostfile,
               exports=args.exports, settings=settings, elastic=args.elastic,
               oversubscribe=args.oversubscribe, mca=[(n, v) for n, v in args.mca],

@@ -180,7 +180,12 @@ def test_horovodrun_flags_become_mpitrain_variables(
     assert variables["MPITRAIN_FUSION_THRESHOLD"] == str(32 << 20)
     assert variables["MPITRAIN_CYCLE_TIME_MS"] == "2.5"
     assert variables["MPITRAIN_TIMELINE"] == "out/t.json"
-    assert variables["MPITRAIN_LOG_LEVEL"] == "DEBUG"
+    assert variables["MPITRAIN_LOG_LEVEL"] == "debug"
+    # every horovodrun level is a value mt.init() accepts
+    from mpitrain import config
+    from mpitrain.launcher import LOG_LEVELS
+    for level in LOG_LEVELS.values():
+        assert config.check_environment({"MPITRAIN_LOG_LEVEL": level}) == []
     names = [e.split("=", 1)[0] for e in exported(flags)]
     assert len(names) == len(set(names))
     # what the ranks read back
