@@ -182,7 +182,6 @@ def test_horovodrun_flags_become_mpitrain_variables(
     assert variables["MPITRAIN_TIMELINE"] == "out/t.json"
     assert variables["MPITRAIN_LOG_LEVEL"] == "debug"
     # every horovodrun level is a value mt.init() accepts
-    from mpitrain import config
     from mpitrain.launcher import LOG_LEVELS
     for level in LOG_LEVELS.values():
         assert config.check_environment({"MPITRAIN_LOG_LEVEL": level}) == []
