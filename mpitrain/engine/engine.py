@@ -480,7 +480,7 @@ class Engine:
         error: BaseException | None = None
         phases = []
         try:
-            phases = self._runner.run(bucket)
+            phases = self._runner.run(bucket, tl is not None)
         except Exception as exc:  # e.g. an MPI error: every request of the bucket gets it
             error = exc
         self.stats.collectives += 1

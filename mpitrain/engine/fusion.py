@@ -114,8 +114,9 @@ class BucketRunner:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    def run(self, bucket: Bucket) -> list[Phase]:
-        """Run ``bucket``, store each entry's output, and return the timed phases."""
+    def run(self, bucket: Bucket, traced: bool = False) -> list[Phase]:
+        """Run ``bucket``, store each entry's output, and return the timed phases (named
+        after the algorithm that ran only if ``traced``: a timeline is recording)."""
         if len(bucket.items) > 1:
             return self._fused(bucket)
         request, entry = bucket.items[0]
@@ -140,7 +141,8 @@ class BucketRunner:
         else:
             entry.output = d.broadcast(a, spec.root, spec.algorithm)
         # the dispatcher's choice is memoized: asking again names the algorithm that ran
-        algorithm = d.algorithm(spec.kind, spec.algorithm, nbytes, entry.backend, a.dtype)
+        algorithm = d.algorithm(spec.kind, spec.algorithm, nbytes, entry.backend, a.dtype) \
+            if traced else ""
         return [(self._collective_name(spec, algorithm), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
