@@ -13,7 +13,13 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 
-.PHONY: test unit test-mpi integration soak test-cluster demo bench gpu-check lint clean
+# Fault injection (also part of `integration`): the bad-input and one-sided catalogue
+# (blocking, async and torch; 2-4 ranks), uncaught exceptions and exits on one rank,
+# kill -9 and elastic recovery.
+FAULTS := tests/integration/test_bad_inputs.py tests/integration/test_crash.py \
+          tests/integration/test_elastic.py tests/integration/test_engine_lifecycle.py
+
+.PHONY: test unit test-mpi integration faults soak test-cluster demo bench gpu-check lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +50,9 @@ test-mpi: $(VENV)/.compiled
 
 integration: $(VENV)/.compiled
 	timeout 900 $(PYTEST) tests/integration
+
+faults: $(VENV)/.compiled
+	timeout 900 $(PYTEST) $(FAULTS)
 
 # Randomized collectives, each checked against numpy (not in `test`): 10,000 at 2..5
 # ranks with shared memory, then 10,000 without it (MPITRAIN_SHM=0, the path --elastic

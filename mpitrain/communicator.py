@@ -309,10 +309,21 @@ class Communicator:
         engine = self._engine
         if engine is None:
             d = self.dispatcher
-            # the engine's own dispatcher keeps this one's choices of validation and
-            # shared memory
+            # Starting the engine takes several collectives that cannot be interrupted
+            # (communicator duplicates, shared memory); meet the other ranks first, in a
+            # collective that the stall inspector watches and the timeout interrupts, so
+            # that a rank that never makes an async call is reported instead of hanging
+            # this one inside MPI. A second meeting confirms the first: a rank whose
+            # first one timed out (while a late rank's arrival completed it for the late
+            # rank) never comes to the second, so the late rank times out there too
+            # instead of entering the engine's collectives alone.
+            d.rendezvous("the async engine's start")
+            d.rendezvous("the async engine's start (confirmation)")
+            # the engine's own dispatcher keeps this one's choices of validation, shared
+            # memory and stall limits
             engine = self._engine = Engine(d.mpi_comm, check=d.check,
-                                           shared_memory=d.shm is not None)
+                                           shared_memory=d.shm is not None,
+                                           stall=d.transport.inspector.limits)
         return engine
 
     # -- lifetime ----------------------------------------------------------------------

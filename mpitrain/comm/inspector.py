@@ -53,6 +53,9 @@ class Watched(Protocol):
     waiting: bool
     """True while the transport waits inside a collective."""
 
+    def what(self) -> str:
+        """The current collective, with whatever more the transport knows of it."""
+
 
 log = logging.getLogger("mpitrain")
 
@@ -62,6 +65,22 @@ SURVEY_S = 2.0
 """How long a survey waits for the other ranks' replies."""
 QUERY_TAG, REPLY_TAG = 1, 2
 _REPLY = struct.Struct("<qqq104s")  # query id, seq, waiting, collective name
+
+
+@dataclass(frozen=True)
+class StallLimits:
+    """When a wait is a stall: warn after ``warning_s``; after ``timeout_s`` (0: never)
+    ``action`` (``raise`` or ``abort``)."""
+
+    warning_s: float
+    timeout_s: float
+    action: str
+
+    @classmethod
+    def from_config(cls) -> StallLimits:
+        """``MPITRAIN_STALL_WARNING_S``, ``MPITRAIN_STALL_TIMEOUT_S``, ``MPITRAIN_STALL_ACTION``."""
+        return cls(config.STALL_WARNING_S.get(), config.STALL_TIMEOUT_S.get(),
+                   config.STALL_ACTION.get())
 
 
 @dataclass(frozen=True)
@@ -127,17 +146,16 @@ class Inspector:
 
     Args:
         transport: the transport whose ``seq``, ``current`` and ``waiting`` are served.
-
-    Reads ``MPITRAIN_STALL_WARNING_S``, ``MPITRAIN_STALL_TIMEOUT_S`` and
-    ``MPITRAIN_STALL_ACTION`` once, here.
+        limits: the stall limits (default: read from the environment, once, here).
     """
 
-    def __init__(self, transport: Watched) -> None:
+    def __init__(self, transport: Watched, limits: StallLimits | None = None) -> None:
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
-        self.warning_s = config.STALL_WARNING_S.get()
-        self.timeout_s = config.STALL_TIMEOUT_S.get()
-        self.action = config.STALL_ACTION.get()
+        self.limits = limits = limits or StallLimits.from_config()
+        self.warning_s = limits.warning_s
+        self.timeout_s = limits.timeout_s
+        self.action = limits.action
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.comm: MPI.Intracomm | None = None
         self.stopped = ""  # why the daemon stopped serving this inspector
@@ -231,7 +249,7 @@ class Inspector:
             self._warned = self._aborting = False
             return
         waited = now - self._watch_since
-        seq, collective = t.seq, t.current
+        seq, collective = t.seq, t.what()
         if self.warning_s and not self._warned and waited >= self.warning_s:
             self._warned = True
             self._queue.append(Survey(lambda peers: warn(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 from mpi4py import MPI
 
 from ..errors import StallError
-from .inspector import Inspector, abort, warn
+from .inspector import Inspector, StallLimits, abort, warn
 
 if TYPE_CHECKING:
     from .shm import SharedMemory
@@ -85,9 +85,10 @@ class Transport:
 
     Args:
         comm: the communicator to duplicate; the transport never uses it directly.
+        stall: the stall limits of its inspector (default: ``MPITRAIN_STALL_*``).
     """
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, stall: StallLimits | None = None) -> None:
         self.comm: MPI.Intracomm = comm.Dup()
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
@@ -96,9 +97,10 @@ class Transport:
         # What the stall inspector serves to the other ranks.
         self.seq = 0
         self.current = ""
+        self.detail: Callable[[], str] | None = None  # more about the current collective
         self.waiting = False
         self.broken: str | None = None
-        self.inspector = Inspector(self)
+        self.inspector = Inspector(self, stall)
         self.interruptible = self.inspector.raises
         # Requests of the current collective, kept alive (with their buffers) after a stall.
         self.inflight: list[Request] = []
@@ -129,7 +131,7 @@ class Transport:
         self.waiting = True
         try:
             if self.interruptible:
-                self._poll(request.Test)
+                self.poll(request.Test)
             else:
                 request.Wait()
         finally:
@@ -156,7 +158,7 @@ class Transport:
         self.waiting = True
         try:
             if self.interruptible:
-                self._poll(lambda: MPI.Request.Testall(live))
+                self.poll(lambda: MPI.Request.Testall(live))
             else:
                 MPI.Request.Waitall(live)
         finally:
@@ -198,11 +200,11 @@ class Transport:
         ins = self.inspector
         if ins.timeout_s and total >= ins.timeout_s:
             if ins.action == "abort":
-                abort(ins.report(self.current, self.seq, total))
-            raise self._stall(total)
+                abort(ins.report(self.what(), self.seq, total))
+            raise self.stalled(total)
         if ins.warning_s and total >= ins.warning_s and not self._shm_warned:
             self._shm_warned = True
-            warn(ins.report(self.current, self.seq, total))
+            warn(ins.report(self.what(), self.seq, total))
 
     def free(self) -> None:
         """Release the private communicator (collective)."""
@@ -222,20 +224,27 @@ class Transport:
             return request
         return tracked
 
-    def _poll(self, test: Callable[[], bool]) -> None:
-        """Test until done; past the stall timeout, break the transport and raise."""
+    def what(self) -> str:
+        """The current collective, as stall reports name it."""
+        detail = self.detail
+        return self.current + detail() if detail is not None else self.current
+
+    def poll(self, test: Callable[[], bool]) -> None:
+        """Test until done; past the stall timeout, break the transport and raise
+        :class:`~mpitrain.StallError` (for an interruptible transport)."""
         start = time.monotonic()
         pause = 0.0
         while not test():
             waited = time.monotonic() - start
             if waited >= self.inspector.timeout_s:
-                raise self._stall(waited)
+                raise self.stalled(waited)
             if waited > _SPIN_S:
                 time.sleep(pause)
                 pause = min(2 * pause + 1e-5, _MAX_PAUSE_S)
 
-    def _stall(self, waited: float) -> StallError:
-        self.broken = self.inspector.report(self.current, self.seq, waited)
+    def stalled(self, waited: float) -> StallError:
+        """Break the transport after a wait of ``waited`` s: the StallError to raise."""
+        self.broken = self.inspector.report(self.what(), self.seq, waited)
         return StallError(f"{self.broken}. This communicator is now unusable: messages of the "
                        "interrupted collective may still be in flight, and every later call on "
                        "it raises StallError. Create a new mpitrain.Communicator (or call "

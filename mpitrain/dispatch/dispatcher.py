@@ -39,6 +39,7 @@ from ..algorithms.chunks import bounds_from_counts, split_bounds
 from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_for
 from ..comm import objects
 from ..comm import shm as shared
+from ..comm.inspector import StallLimits
 from ..comm.topology import Topology
 from ..comm.transport import Transport
 from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
@@ -86,14 +87,15 @@ class Dispatcher:
         check: validate every call across ranks (default: ``MPITRAIN_CHECK``, on).
         shared_memory: use shared-memory windows when every rank is on one node
             (default: ``MPITRAIN_SHM``, on).
+        stall: the stall limits (default: ``MPITRAIN_STALL_*``).
     """
 
     def __init__(self, comm: MPI.Intracomm, *, check: bool | None = None,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None, stall: StallLimits | None = None) -> None:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise ArgumentError(f"mpitrain.Communicator needs an MPI intracommunicator, got "
                                 f"{comm!r}")
-        self.transport = Transport(comm)
+        self.transport = Transport(comm, stall)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.rank, self.size = self.transport.rank, self.transport.size
         self.topology = Topology.detect(self.mpi_comm)
@@ -424,12 +426,18 @@ class Dispatcher:
     # -- objects and synchronisation ---------------------------------------------------
     def barrier(self) -> None:
         """See :meth:`mpitrain.Communicator.barrier`."""
+        self.rendezvous("barrier")
+
+    def rendezvous(self, collective: str) -> None:
+        """A barrier counted as ``collective``: validated against the other ranks' calls
+        (a rank in another collective gets MismatchError), watched by the stall
+        inspector, interruptible at the stall timeout like every collective."""
         if self.size == 1:
             return
-        self.transport.begin("barrier")
+        self.transport.begin(collective)
         checking = self.checking
         if checking or self.shm is not None:  # the exchange is itself a barrier
-            self.validator.exchange(signature("barrier") if checking else None)
+            self.validator.exchange(signature(collective) if checking else None)
         else:
             self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 

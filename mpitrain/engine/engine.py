@@ -51,15 +51,19 @@ from mpi4py import MPI
 
 from .. import config, timeline
 from ..backends import NUMPY, ArrayBackend, backend_and_array
+from ..comm.inspector import StallLimits
 from ..dispatch import Dispatcher
 from ..dtypes import check_dtype
-from ..errors import ArgumentError, CommunicationError, MismatchError
+from ..errors import ArgumentError, CommunicationError, MismatchError, StallError
 from ..ops import parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
-from .negotiation import NONAME, Negotiator, Signatures
+from .negotiation import NONAME, Agreement, Negotiator, Signatures
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all
 
 _SPEC_CACHE_SIZE = 4096
+REFUSED = "refused"
+"""The kind of a request that announces a submission refused on its rank
+(:meth:`Engine._refused`); its signature, which names the rank, never matches."""
 EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
@@ -93,25 +97,28 @@ class Engine:
     Args:
         comm: the communicator whose async calls this engine serves; the engine's
             dispatcher duplicates it (collective).
-        check, shared_memory: as for :class:`~mpitrain.dispatch.Dispatcher`.
+        check, shared_memory, stall: as for :class:`~mpitrain.dispatch.Dispatcher`.
     """
 
     def __init__(self, comm: MPI.Intracomm, *, check: bool | None = None,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None, stall: StallLimits | None = None) -> None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise CommunicationError(
                 f"rank {comm.Get_rank()}: async operations need MPI_THREAD_MULTIPLE, but MPI "
                 "was initialised with a lower thread level; leave mpi4py.rc.thread_level at "
                 "its default ('multiple')")
-        self.dispatcher = Dispatcher(comm, check=check, shared_memory=shared_memory)
+        self.dispatcher = Dispatcher(comm, check=check, shared_memory=shared_memory,
+                                     stall=stall)
         self.rank, self.size = self.dispatcher.rank, self.dispatcher.size
         self.stats = EngineStats()
         self._waiters = Waiters(self._drive)
         self._negotiator = Negotiator(self.dispatcher.mpi_comm, self._cycle_seconds(),
-                                      self._waiters, self.dispatcher.shm)
+                                      self._waiters, self.dispatcher.shm,
+                                      self.dispatcher.transport)
         self._runner = BucketRunner(self.dispatcher)
-        self._lane = next(_lanes)
-        self._lane_name = f"mpitrain engine {self._lane} (rank 0 of {self.size})"
+        self.lane = next(_lanes)
+        """This engine's number in this process, in the order of their starts."""
+        self.lane_name = f"mpitrain engine {self.lane} (rank 0 of {self.size})"
         self._lock = threading.Lock()  # guards the submission state below
         self._cond = threading.Condition(self._lock)  # the progress thread sleeps on it
         self._idle = False  # the progress thread is (about to be) asleep: wake it
@@ -127,7 +134,7 @@ class Engine:
         self._finished = False
         self._freed = False
         self._worker = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"mpitrain-engine-{self._lane}-rank{self.rank}")
+                                        name=f"mpitrain-engine-{self.lane}-rank{self.rank}")
         self._worker.start()
         _LIVE.add(self)
 
@@ -142,93 +149,136 @@ class Engine:
                   postscale: Any, algorithm: Any, inplace: bool) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
         be: ArrayBackend
-        if type(x) is np.ndarray:  # the common case, without a conversion
-            be, arr = NUMPY, x
-        else:
-            be, arr = self._array(x, "allreduce_async_" if inplace else "allreduce_async",
-                                  inplace)
-        key = ("allreduce", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm,
-               inplace)
         try:
-            spec = self._specs[key]
-        except (KeyError, TypeError):  # new arguments (or unhashable ones: build says why)
-            spec = self._new_spec(key, lambda: self._reduction_spec(
-                "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
-        if inplace and not be.is_writeable(arr):  # tested here first: no call per submission
-            self.dispatcher.check_writeable(be, arr, "allreduce_async_")  # raises
+            if type(x) is np.ndarray:  # the common case, without a conversion
+                be, arr = NUMPY, x
+            else:
+                be, arr = self._array(x, "allreduce_async_" if inplace else "allreduce_async",
+                                      inplace)
+            key = ("allreduce", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm,
+                   inplace)
+            try:
+                spec = self._specs[key]
+            except (KeyError, TypeError):  # new arguments (or unhashable ones: build says why)
+                spec = self._new_spec(key, lambda: self._reduction_spec(
+                    "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
+            if inplace and not be.is_writeable(arr):  # tested here first: no call per submission
+                self.dispatcher.check_writeable(be, arr, "allreduce_async_")  # raises
+        except Exception as exc:
+            self._refused("allreduce", name, exc)
+            raise
         return self._submit("allreduce", name, spec, arr, x if inplace else None)
 
     def grouped_allreduce(self, xs: Any, op: Any, name: Any,
                           prescale: Any, postscale: Any, algorithm: Any,
                           inplace: bool) -> Handle:
         """Queue one allreduce of every array of ``xs``, fused (one collective per dtype)."""
-        if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
-            raise ArgumentError(f"rank {self.rank}: grouped_allreduce needs a list of arrays, "
-                                f"got {type(xs).__name__}")
-        what = "grouped_allreduce_" if inplace else "grouped_allreduce"
-        entries = []
-        for x in xs:
-            be, arr = self._array(x, what, inplace)
-            if inplace:
-                self.dispatcher.check_writeable(be, arr, what)
-            entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
-        arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
-        key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
-        spec = self._known_spec(key) or self._new_spec(key, lambda: self._group_spec(
-            entries, op, prescale, postscale, algorithm, inplace))
+        try:
+            if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
+                raise ArgumentError(f"rank {self.rank}: grouped_allreduce needs a list of "
+                                    f"arrays, got {type(xs).__name__}")
+            what = "grouped_allreduce_" if inplace else "grouped_allreduce"
+            entries = []
+            for x in xs:
+                be, arr = self._array(x, what, inplace)
+                if inplace:
+                    self.dispatcher.check_writeable(be, arr, what)
+                entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
+            arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
+            key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
+            spec = self._known_spec(key) or self._new_spec(key, lambda: self._group_spec(
+                entries, op, prescale, postscale, algorithm, inplace))
+        except Exception as exc:
+            self._refused("grouped_allreduce", name, exc)
+            raise
         return self._submit("grouped_allreduce", name, spec, None, None, entries)
 
     def allgather(self, x: Any, name: Any, algorithm: Any) -> Handle:
         """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
-        be, arr = self._array(x, "allgather_async", False)
-        rows = (None, *arr.shape[1:])  # None: any number of rows
-        key = ("allgather", be, arr.dtype, rows, algorithm)
-
-        def build() -> Spec:
-            check_dtype(arr.dtype, rank=self.rank)
-            algo = self.dispatcher.check_algorithm("allgather", algorithm, be, arr.dtype)
-            described = describe(("allgather", None, arr.dtype, rows, 1.0, 1.0, algo, 0))
-            return Spec("allgather", described, be, arr.dtype, rows, algorithm=algo)
-
-        spec = self._known_spec(key) or self._new_spec(key, build)
+        try:
+            be, arr = self._array(x, "allgather_async", False)
+            rows = (None, *arr.shape[1:])  # None: any number of rows
+            key = ("allgather", be, arr.dtype, rows, algorithm)
+            spec = self._known_spec(key) or self._new_spec(
+                key, lambda: self._allgather_spec(be, arr.dtype, rows, algorithm))
+        except Exception as exc:
+            self._refused("allgather", name, exc)
+            raise
         return self._submit("allgather", name, spec, arr, None)
 
     def broadcast(self, x: Any, root: Any, name: Any, algorithm: Any,
                   inplace: bool) -> Handle:
         """Queue a broadcast of the root's ``x`` (into ``x`` itself if ``inplace``)."""
         what = "broadcast_async_" if inplace else "broadcast_async"
-        be, arr = self._array(x, what, inplace)
-        key = ("broadcast", be, arr.dtype, arr.shape, root, algorithm, inplace)
-
-        def build() -> Spec:
-            self.dispatcher.check_root(root)
-            check_dtype(arr.dtype, rank=self.rank)
-            algo = self.dispatcher.check_algorithm("broadcast", algorithm, be, arr.dtype)
-            described = describe(("broadcast", None, arr.dtype, arr.shape, 1.0, 1.0, algo,
-                                  int(root)))
-            return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
-                        root=int(root), inplace=inplace)
-
-        spec = self._known_spec(key) or self._new_spec(key, build)
-        if inplace:
-            self.dispatcher.check_writeable(be, arr, what)
+        try:
+            be, arr = self._array(x, what, inplace)
+            key = ("broadcast", be, arr.dtype, arr.shape, root, algorithm, inplace)
+            spec = self._known_spec(key) or self._new_spec(
+                key, lambda: self._broadcast_spec(be, arr, root, algorithm, inplace))
+            if inplace:
+                self.dispatcher.check_writeable(be, arr, what)
+        except Exception as exc:
+            self._refused("broadcast", name, exc)
+            raise
         return self._submit("broadcast", name, spec, arr, x if inplace else None)
 
     def reduce_scatter(self, x: Any, op: Any, name: Any, prescale: Any,
                        postscale: Any, algorithm: Any) -> Handle:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
-        be, arr = self._array(x, "reduce_scatter_async", False)
-        key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm)
-
-        def build() -> Spec:
-            if arr.ndim == 0:
-                raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got "
-                                    "a 0-d array; pass x.reshape(1) or a larger array")
-            return self._reduction_spec("reduce_scatter", be, arr, op, prescale, postscale,
-                                        algorithm, False)
-
-        spec = self._known_spec(key) or self._new_spec(key, build)
+        try:
+            be, arr = self._array(x, "reduce_scatter_async", False)
+            key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale,
+                   algorithm)
+            spec = self._known_spec(key) or self._new_spec(key, lambda: self._reduction_spec(
+                "reduce_scatter", be, arr, op, prescale, postscale, algorithm, False))
+        except Exception as exc:
+            self._refused("reduce_scatter", name, exc)
+            raise
         return self._submit("reduce_scatter", name, spec, arr, None)
+
+    def _allgather_spec(self, be: ArrayBackend, dtype: Any, rows: tuple[Any, ...],
+                        algorithm: Any) -> Spec:
+        """The checked spec of an allgather of arrays with ``rows`` (axis 0 free)."""
+        check_dtype(dtype, rank=self.rank)
+        algo = self.dispatcher.check_algorithm("allgather", algorithm, be, dtype)
+        described = describe(("allgather", None, dtype, rows, 1.0, 1.0, algo, 0))
+        return Spec("allgather", described, be, dtype, rows, algorithm=algo)
+
+    def _broadcast_spec(self, be: ArrayBackend, arr: Any, root: Any, algorithm: Any,
+                        inplace: bool) -> Spec:
+        """The checked spec of a broadcast of arrays like ``arr`` from ``root``."""
+        self.dispatcher.check_root(root)
+        check_dtype(arr.dtype, rank=self.rank)
+        algo = self.dispatcher.check_algorithm("broadcast", algorithm, be, arr.dtype)
+        described = describe(("broadcast", None, arr.dtype, arr.shape, 1.0, 1.0, algo,
+                              int(root)))
+        return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
+                    root=int(root), inplace=inplace)
+
+    def _refused(self, kind: str, name: Any, exc: Exception) -> None:
+        """This rank refused its next ``kind`` submission (named ``name``) with ``exc``:
+        announce the refusal in its place, so that the other ranks' submissions of that
+        name fail with :class:`~mpitrain.MismatchError` (naming this rank and ``exc``)
+        instead of waiting for this rank's forever."""
+        if name is None:
+            serial = next(self._counters[kind])  # the name this submission would have had
+            name = f"{kind}{NONAME}{serial}"
+        elif isinstance(name, str) and name:
+            serial = -1
+        else:
+            return  # no name to announce: the other ranks' stall detection reports it
+        if self.size == 1:
+            return
+        text = f"{exc}".replace("\n", " ")
+        spec = Spec(REFUSED, f"{REFUSED} on rank {self.rank}: {type(exc).__name__}: {text}",
+                    NUMPY, None, None)
+        refusal = Request(name, spec, None, None, self._waiters, serial, None, [])
+        with self._lock:
+            if self._closed is not None or name in self._in_flight:
+                return
+            self._incoming.append(refusal)
+            if self._idle:
+                self._wake()
 
     def _array(self, x: Any, what: str, inplace: bool) -> tuple[ArrayBackend, Any]:
         """The backend of ``x`` and ``x`` as its array (one that writes through to ``x``
@@ -457,10 +507,12 @@ class Engine:
                     runnable.append(request)
         if tl is not None:
             for request in ready:
-                tl.span(self._lane, self._lane_name, request.name, "QUEUE",
+                tl.span(self.lane, self.lane_name, request.name, "QUEUE",
                         request.submitted_at, agreed_at)
         for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
             self._run(bucket, number, tl)
+        if agreement.abandoned:
+            self._give_up(agreement)
         if agreement.all_stopped:
             for request in list(self._pending.values()):
                 missing = self._negotiator.waiting_for(request.name)
@@ -492,7 +544,7 @@ class Engine:
                     "bytes": bucket.nbytes}
             for request in bucket.requests:
                 for phase, start, end in phases:
-                    tl.span(self._lane, self._lane_name, request.name, phase, start, end, args)
+                    tl.span(self.lane, self.lane_name, request.name, phase, start, end, args)
         done = []
         for request, _ in bucket.items:
             if error is not None and request.error is None:
@@ -501,6 +553,18 @@ class Engine:
             if not request.unfinished:
                 done.append(request)
         self._finish(done)
+
+    def _give_up(self, agreement: Agreement) -> None:
+        """Fail this rank's requests that the ranks gave up (:attr:`Agreement.abandoned`):
+        :class:`~mpitrain.StallError` for a stall, else CommunicationError."""
+        pending = self._pending
+        for name, why in agreement.abandoned.items():
+            request = pending.pop(name, None)
+            if request is None:
+                continue  # this rank never submitted it
+            error = StallError if name in agreement.stalled else CommunicationError
+            request.error = error(f"rank {self.rank}: {why}")
+            self._finish([request])
 
     def _release_name(self, name: str) -> None:
         """The caller has seen the operation named ``name`` finish (its handle)."""
@@ -523,13 +587,23 @@ class Engine:
             self._pending.clear()
             self._incoming = []
         for request in doomed:
-            error = CommunicationError(f"rank {self.rank}: the async engine failed while "
-                                       f"{request.name!r} was in flight: {exc!r}")
+            if isinstance(exc, StallError):  # keeps its class: wait() raises StallError
+                error: Exception = StallError(f"rank {self.rank}: {request.name!r} was in "
+                                              f"flight when the async engine stalled: {exc}")
+            else:
+                error = CommunicationError(f"rank {self.rank}: the async engine failed while "
+                                           f"{request.name!r} was in flight: {exc!r}")
             error.__cause__ = exc
             request.error = error
             self._finish([request])
 
     def _mismatch(self, name: str, signatures: Signatures) -> str:
+        refused = [(r, sig) for r, sig in sorted(signatures.items()) if sig.startswith(REFUSED)]
+        if refused:
+            return (f"rank {self.rank}: the async operation {name!r} is given up on every rank: "
+                    + "; ".join(f"its submission was {sig}" for _, sig in refused)
+                    + ". Fix that rank's arguments; the other ranks' submissions cannot run "
+                    "without it")
         first = signatures[0]
         other = next(r for r in range(self.size) if signatures[r] != first)
         return (f"rank {self.rank}: ranks submitted the async operation {name!r} with "
@@ -566,6 +640,7 @@ def _array_text(dtype: Any, shape: tuple[int | None, ...]) -> str:
 
 @atexit.register
 def _stop_live_engines() -> None:
-    """At interpreter exit, stop engines the program did not stop (bounded wait)."""
-    for engine in list(_LIVE):
+    """At interpreter exit, stop engines the program did not stop (bounded wait), in the
+    order they were started, which is the same on every rank (stopping is collective)."""
+    for engine in sorted(_LIVE, key=lambda e: e.lane):
         engine.stop(EXIT_TIMEOUT_S)

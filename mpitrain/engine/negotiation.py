@@ -30,17 +30,22 @@ payload too large for the slot costs a second exchange (``MPI_Allgatherv``).
 
 from __future__ import annotations
 
+import logging
 import pickle
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.inspector import abort
 from ..comm.shm import SharedMemory
+from ..comm.transport import Transport
 from .request import Waiters
+
+log = logging.getLogger("mpitrain")
 
 Signatures = dict[int, str]
 # a numbered pair, (name, signature), or a run of generated names [kind, n, count, signature]
@@ -70,9 +75,17 @@ class Announced(Protocol):
     serial: int  # n of a generated name ``<kind>.noname.<n>``, else -1
 
 SLOT_BYTES = 4096
-_HEAD = struct.Struct("=3q")  # payload length, stop flag, threshold: the start of a slot
+# The start of a slot: payload length, stop flag, fusion threshold, and the birth cycle
+# of the newest table entry this rank finds past the stall timeout (-1: none).
+_HEAD = struct.Struct("=4q")
 CACHE_LIMIT = 1 << 16
 SPIN_S = 100e-6
+STALL_CHECK_S = 1.0
+"""How often (at most) a cycle looks for table entries past the stall limits."""
+EXCHANGE = "the async engine's exchange"
+"""The name of a cycle's exchange as a collective of the engine's transport."""
+SHOWN_NAMES = 8
+"""How many names a stall report lists before it says how many more there are."""
 
 
 @dataclass
@@ -89,6 +102,11 @@ class Agreement:
             announced the same, and nothing older was waiting).
         threshold: the smallest fusion threshold of any rank, so that every rank cuts
             the ready requests into the same buckets even if their settings differ.
+        abandoned: names some rank submitted that will never run, each with why (the
+            same text on every rank): they waited past the stall timeout for ranks
+            that never submitted them, or a rank that never submitted them stopped
+            its engine.
+        stalled: those of ``abandoned`` that were given up at the stall timeout.
     """
 
     ready: list[str]
@@ -97,10 +115,26 @@ class Agreement:
     news: bool
     threshold: int
     same: bool = False
+    abandoned: dict[str, str] = field(default_factory=dict)
+    stalled: set[str] = field(default_factory=set)
 
 
 class Negotiator:
     """Runs the cycles' exchanges on the engine's private communicator.
+
+    Stalls are watched in two places, with the stall inspector's limits
+    (``MPITRAIN_STALL_WARNING_S``, ``MPITRAIN_STALL_TIMEOUT_S``, ``MPITRAIN_STALL_ACTION``):
+
+    * an *exchange* that waits for ranks that have not begun the cycle (their engines
+      are idle: they have not submitted anything) is a collective of ``transport``:
+      each cycle is counted there (``begin``) and raises its ``waiting`` flag while it
+      waits, so the inspector reports it like a blocking collective and the exit
+      guard sees it; past the timeout (action ``raise``) the exchange raises
+      :class:`~mpitrain.StallError`, which fails the engine;
+    * an entry of the *table* (a name some ranks submitted and others have not, while
+      cycles go on) is reported on every rank past the warning, with the ranks that
+      have not submitted it; past the timeout every rank gives it up in the same
+      cycle (:attr:`Agreement.abandoned`), and the engine goes on.
 
     Args:
         comm: the engine's communicator (used by the progress thread only).
@@ -109,15 +143,29 @@ class Negotiator:
         shm: the shared memory of that communicator when all its ranks are on one node
             (its slots then carry the cycles instead of ``MPI_Iallgather``: no MPI
             progress loop, whose idle yield costs tens of microseconds per exchange).
+        transport: the engine's transport, whose stall inspector watches the
+            exchanges (``None``: stalls are not watched).
     """
 
     def __init__(self, comm: MPI.Intracomm, max_poll_s: float, waiters: Waiters,
-                 shm: SharedMemory | None = None) -> None:
+                 shm: SharedMemory | None = None, transport: Transport | None = None) -> None:
         self.comm = comm
         self.waiters = waiters
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.max_poll_s = max_poll_s
+        self.transport = transport
+        inspector = transport.inspector if transport is not None else None
+        self.warning_s = inspector.warning_s if inspector is not None else 0.0
+        self.timeout_s = inspector.timeout_s if inspector is not None else 0.0
+        self.action = inspector.action if inspector is not None else "raise"
+        self.cycle = 0  # cycles begun: the same count on every rank
         self.table: dict[str, Signatures] = {}
+        self.born: dict[str, tuple[int, float]] = {}  # table name -> (cycle, local time)
+        self.warned: set[str] = set()
+        self._next_check = 0.0
+        self._announcing: Sequence[Announced] = ()
+        if transport is not None:
+            transport.detail = self.waiting_on
         self.known: list[tuple[str, str]] = []  # number -> (name, signature)
         self.numbers: dict[tuple[str, str], int] = {}
         self.shm = shm if shm is not None and shm.slot_bytes >= SLOT_BYTES else None
@@ -129,6 +177,11 @@ class Negotiator:
     def exchange(self, requests: Sequence[Announced], stopping: bool,
                  threshold: int) -> Agreement:
         """One cycle: share the requests' names and signatures, stop flag and threshold."""
+        self.cycle += 1
+        expire = self._check_stalls(requests) if self.table else -1
+        self._announcing = requests
+        if self.transport is not None:
+            self.transport.begin(EXCHANGE)
         announcements, fresh = self._announce(requests)
         payload = pickle.dumps(announcements, pickle.HIGHEST_PROTOCOL) if requests else b""
         shm = self.shm
@@ -137,7 +190,7 @@ class Negotiator:
             slot = shm.slot(parity, self.rank)
         else:
             slot = self._slot
-        _HEAD.pack_into(slot.data, 0, len(payload), int(stopping), threshold)
+        _HEAD.pack_into(slot.data, 0, len(payload), int(stopping), threshold, expire)
         if len(payload) <= self._room:
             slot.data[_HEAD.size:_HEAD.size + len(payload)] = payload
         if shm is not None:
@@ -151,7 +204,8 @@ class Negotiator:
             slots = self._slots
         heads = [_HEAD.unpack_from(slots[r].data) for r in range(self.size)]
         lengths = [h[0] for h in heads]
-        agreement = Agreement([], {}, all(h[1] for h in heads), any(lengths),
+        stopped = [r for r, h in enumerate(heads) if h[1]]
+        agreement = Agreement([], {}, len(stopped) == self.size, any(lengths),
                               min(h[2] for h in heads))
         if agreement.news:
             payloads = self._payloads(slots, payload, lengths)
@@ -166,7 +220,82 @@ class Negotiator:
                 for rank, data in enumerate(payloads):
                     self._record(rank, data)
                 self._collect(agreement)
+        if self.table and (stopped or max(h[3] for h in heads) >= 0):
+            self._abandon(agreement, max(h[3] for h in heads), stopped)
         return agreement
+
+    def _check_stalls(self, requests: Sequence[Announced]) -> int:
+        """Warn of table entries past the stall warning (on this rank), and return the
+        birth cycle of the newest entry past the stall timeout (-1: none), which the
+        exchange proposes to give up. Looks at most every :data:`STALL_CHECK_S`."""
+        now = time.monotonic()
+        if now < self._next_check or not (self.warning_s or self.timeout_s):
+            return -1
+        self._next_check = now + STALL_CHECK_S
+        born = self.born
+        if self.warning_s:
+            late = [n for n, (_, t) in born.items()
+                    if now - t >= self.warning_s and n not in self.warned]
+            if late:
+                self.warned.update(late)
+                log.warning("mpitrain rank %d: %s. Set MPITRAIN_STALL_TIMEOUT_S to give up "
+                            "such operations with mpitrain.StallError.", self.rank,
+                            self._unsubmitted(late, now))
+        expire = -1
+        if self.timeout_s:
+            for cycle, t in born.values():  # in order of birth
+                if now - t < self.timeout_s:
+                    break
+                expire = cycle
+            if expire >= 0 and self.action == "abort":
+                late = [n for n, (c, _) in born.items() if c <= expire]
+                abort(f"rank {self.rank}: {self._unsubmitted(late, now)}")
+        return expire
+
+    def _unsubmitted(self, names: list[str], now: float) -> str:
+        """Which ranks have not submitted ``names`` (table entries), and for how long
+        the others have waited."""
+        parts = []
+        for name in names[:SHOWN_NAMES]:
+            missing = self.waiting_for(name)
+            parts.append(f"{name!r} ({next(iter(self.table[name].values()))}) has waited "
+                         f"{now - self.born[name][1]:.0f} s for rank(s) {missing}")
+        more = f"; and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+        return ("async operations submitted by some ranks only: " + "; ".join(parts) + more
+                + " (check that every rank submits the same names, or whether those "
+                  "ranks are only slow)")
+
+    def _abandon(self, agreement: Agreement, expire: int, stopped: list[int]) -> None:
+        """Give up the table entries born at or before cycle ``expire`` (some rank found
+        them past the stall timeout) and those that a rank in ``stopped`` has not
+        submitted (it never will): the same entries, with the same words, on every rank."""
+        for name, sigs in list(self.table.items()):
+            missing = self.waiting_for(name)
+            gone = [r for r in missing if r in stopped]
+            if self.born[name][0] <= expire:
+                agreement.abandoned[name] = (
+                    f"{name!r} ({next(iter(sigs.values()))}) waited past the stall timeout "
+                    f"(MPITRAIN_STALL_TIMEOUT_S={self.timeout_s:g} s on some rank) for "
+                    f"rank(s) {missing}, which did not submit it; it is "
+                    "given up on every rank. Every rank must submit each async operation "
+                    "(check that all ranks take the same code path), or raise "
+                    "MPITRAIN_STALL_TIMEOUT_S if those ranks are only slow")
+                agreement.stalled.add(name)
+            elif gone:
+                agreement.abandoned[name] = (
+                    f"rank(s) {gone} stopped their async engine "
+                    "(mpitrain.shutdown(), or the end of the program) without submitting "
+                    f"{name!r}; it can never run. Every rank must submit each async "
+                    "operation before it shuts down")
+            else:
+                continue
+            del self.table[name]
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """A table entry is gone (ready or abandoned): stop watching it."""
+        del self.born[name]
+        self.warned.discard(name)
 
     def _announce(self, requests: Sequence[Announced]) -> tuple[list[Announcement],
                                                                  list[tuple[str, str]]]:
@@ -209,6 +338,7 @@ class Negotiator:
         for name, sigs in list(self.table.items()):
             if len(sigs) == self.size:
                 del self.table[name]
+                self._forget(name)
                 agreement.ready.append(name)
                 first = sigs[0]
                 if any(sig != first for sig in sigs.values()):
@@ -256,7 +386,7 @@ class Negotiator:
     def _record(self, rank: int, data: memoryview) -> None:
         if not len(data):
             return
-        table, known = self.table, self.known
+        table, known, born = self.table, self.known, self.born
         for item in pickle.loads(data):
             if isinstance(item, list):  # a run of generated names
                 kind, first, count, signature = item
@@ -268,6 +398,7 @@ class Negotiator:
                 sigs = table.get(name)
                 if sigs is None:
                     sigs = table[name] = {}
+                    born[name] = (self.cycle, time.monotonic())
                 sigs[rank] = signature
 
     def _wait(self, done: Callable[[], bool], block: Callable[[], object]) -> None:
@@ -276,17 +407,51 @@ class Negotiator:
         nothing else to run) that is at once ``block()``. Otherwise test for up to
         ``SPIN_S`` (ranks that are in step meet within that), then sleep between tests,
         20 us doubling to ``max_poll_s``, so that a rank waiting for slower ranks does
-        not take a core from the caller's computation."""
-        waiters = self.waiters
-        spin_until = time.perf_counter() + SPIN_S
-        delay = 0.0
-        while not waiters.blocked and not done():
-            if delay:
-                time.sleep(delay)
-                delay = min(2.0 * delay, self.max_poll_s)
-            elif time.perf_counter() > spin_until:
-                delay = 20e-6
-            else:
-                time.sleep(0)  # lets the caller's threads run
-        block()
+        not take a core from the caller's computation.
 
+        Meanwhile the transport's ``waiting`` flag is up, for the stall inspector; with
+        a stall timeout and the action ``raise`` (an interruptible transport) the wait
+        of a blocked caller polls instead of blocking, and either wait raises
+        :class:`~mpitrain.StallError` past the timeout (which fails the engine: its
+        handles raise it)."""
+        waiters, t = self.waiters, self.transport
+        begun = time.perf_counter()
+        spin_until = begun + SPIN_S
+        delay = 0.0
+        timeout = t.inspector.timeout_s if t is not None and t.interruptible else 0.0
+        if t is not None:
+            t.waiting = True
+        try:
+            while not waiters.blocked and not done():
+                if delay:
+                    time.sleep(delay)
+                    delay = min(2.0 * delay, self.max_poll_s)
+                    waited = time.perf_counter() - begun
+                    if timeout and waited >= timeout and t is not None:
+                        raise t.stalled(waited)
+                elif time.perf_counter() > spin_until:
+                    delay = 20e-6
+                else:
+                    time.sleep(0)  # lets the caller's threads run
+            if t is not None and t.interruptible:
+                t.poll(done)
+            block()
+        finally:
+            if t is not None:
+                t.waiting = False
+
+    def waiting_on(self) -> str:
+        """What this rank's pending exchange carries (the stall inspector adds it to its
+        reports): the names this rank has submitted that have not run yet."""
+        if self.transport is None or self.transport.current != EXCHANGE:
+            return ""  # a collective of a bucket
+        try:
+            names = [r.name for r in self._announcing] + [
+                n for n, sigs in self.table.items() if self.rank in sigs]
+        except RuntimeError:  # the table changed under the inspector's thread
+            return ""
+        if not names:
+            return " (this rank has no operation pending: it is stopping)"
+        more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+        return (" (this rank has submitted " + ", ".join(repr(n) for n in names[:SHOWN_NAMES])
+                + more + ")")

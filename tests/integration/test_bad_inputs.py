@@ -52,4 +52,4 @@ def test_case(jobs: dict[int, tuple[Result, Path]], n: int, case: str) -> None:
 
 
 def test_catalogue_is_large_enough() -> None:
-    assert len(bad_inputs.CASES) >= 20
+    assert len(bad_inputs.CASES) >= 30

@@ -237,6 +237,138 @@ def _nan_input(rank: int) -> np.ndarray:
     return x
 
 
+# -- async (the engine) ---------------------------------------------------------------
+def _started(comm: Any) -> Any:
+    """``comm`` with its engine started (every rank has made one async call)."""
+    comm.allreduce_async(np.ones(2), name="start").wait()
+    return comm
+
+
+def async_dtype_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    x = _x(dtype=np.float64 if last_differs(rank, size) else np.float32)
+    return ctx.comm.allreduce_async(x, name="grad.a").wait()
+
+
+def async_shape_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    x = _x()
+    return ctx.comm.allreduce_async(x.reshape(32, 32) if last_differs(rank, size) else x,
+                                    name="grad.s").wait()
+
+
+def async_op_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    op = ctx.mt.Max if last_differs(rank, size) else ctx.mt.Sum
+    return ctx.comm.allreduce_async(_x(), op=op).wait()
+
+
+def async_bad_op_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.allreduce_async(_x(), op="median" if last_differs(rank, size) else "sum",
+                                    name="grad.op").wait()
+
+
+def async_unnamed_bad_dtype_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    x = np.ones(4, bool) if last_differs(rank, size) else np.ones(4, np.float32)
+    return ctx.comm.allreduce_async(x).wait()
+
+
+def async_read_only_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    x = _x()
+    x.flags.writeable = rank != 0
+    return ctx.comm.allreduce_async_(x, name="grad.ro").wait()
+
+
+def async_bad_root_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.comm.broadcast_async(_x(), root=size if last_differs(rank, size) else 0,
+                                    name="bcast.root").wait()
+
+
+def async_allgather_trailing_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    x = np.zeros((2, 4 if last_differs(rank, size) else 3), np.int32)
+    return ctx.comm.allgather_async(x, name="gather.t").wait()
+
+
+def async_duplicate_name(ctx: Any, rank: int, size: int) -> Any:
+    first = ctx.comm.allreduce_async(_x(), name="dup")
+    try:
+        return ctx.comm.allreduce_async(_x(), name="dup").wait()
+    finally:
+        first.wait()
+
+
+def async_zero_size(ctx: Any, rank: int, size: int) -> Any:
+    got = ctx.comm.allreduce_async(np.zeros((0, 3), np.float32), name="empty").wait()
+    if got.shape != (0, 3):
+        raise AssertionError(f"shape {got.shape}")
+
+
+def async_nan_inf_propagate(ctx: Any, rank: int, size: int) -> Any:
+    x = _nan_input(rank)
+    want = np.stack([_nan_input(r) for r in range(size)]).sum(0)
+    got = ctx.comm.allreduce_async(x, name="nan").wait()
+    if not np.array_equal(got, want, equal_nan=True):
+        raise AssertionError(f"{got} != {want}")
+
+
+def async_missing_rank(ctx: Any, rank: int, size: int) -> Any:
+    comm = _started(ctx.stall_comm())
+    if not last_differs(rank, size):
+        return comm.allreduce_async(_x(), name="grad.w").wait()
+    return None
+
+
+def async_engine_never_started_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    if not last_differs(rank, size):
+        return ctx.stall_comm().allreduce_async(_x(), name="grad.w").wait()
+    return None
+
+
+def async_different_names(ctx: Any, rank: int, size: int) -> Any:
+    comm = _started(ctx.stall_comm())
+    return comm.allreduce_async(_x(), name="bias" if last_differs(rank, size) else "weight"
+                                ).wait()
+
+
+def async_blocking_mixed(ctx: Any, rank: int, size: int) -> Any:
+    """The last rank waits on an async call while the others make a blocking one."""
+    comm = _started(ctx.stall_comm())
+    if last_differs(rank, size):
+        return comm.allreduce_async(_x(), name="grad.m").wait()
+    return comm.allreduce(_x())
+
+
+def async_engine_stopped_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    """The last rank frees its communicator (stopping its engine) while the others wait
+    on an operation it never submitted."""
+    own = _started(ctx.mt.Communicator(ctx.world))
+    try:
+        if not last_differs(rank, size):
+            return own.allreduce_async(_x(), name="orphan").wait()
+        return None
+    finally:
+        own.free()
+
+
+# -- torch (mpitrain.torch, on the default communicator) -------------------------------
+def torch_dtype_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    dtype = torch.float64 if last_differs(rank, size) else torch.float32
+    return hvd.allreduce(torch.ones(5, dtype=dtype), name="t.dtype")
+
+
+def torch_shape_mismatch(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.allreduce(torch.ones(6 if last_differs(rank, size) else 5), name="t.shape")
+
+
+def torch_meta_tensor_everywhere(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    return ctx.hvd().allreduce(torch.empty(4, device="meta"), name="t.meta")
+
+
 ONE_RANK_OUT = stalled_except(lambda r, s: r == 0, "ArgumentError", r"out= must be a",
                               r"rank 0 has not called it")
 
@@ -295,6 +427,62 @@ CASES = [
          lambda rank, size: (("AttributeError", "pickle") if rank == 0 else
                              ("CommunicationError", "rank 0, could not pickle"))),
     Case("nan_inf_propagate", nan_inf_propagate, everywhere(None)),
+    Case("async_dtype_mismatch", async_dtype_mismatch,
+         everywhere("MismatchError", r"'grad\.a' with different arguments.*float64\[1024\]")),
+    Case("async_shape_mismatch", async_shape_mismatch,
+         everywhere("MismatchError", r"'grad\.s' with different arguments.*float32\[32, 32\]")),
+    Case("async_op_mismatch", async_op_mismatch,
+         everywhere("MismatchError", r"allreduce max float32")),
+    Case("async_bad_op_on_one_rank", async_bad_op_on_one_rank,
+         lambda rank, size: (("ArgumentError", "unknown reduction op 'median'")
+                             if last_differs(rank, size) else
+                             ("MismatchError", f"'grad.op' is given up on every rank: its "
+                              f"submission was refused on rank {size - 1}: ArgumentError"))),
+    Case("async_unnamed_bad_dtype_on_one_rank", async_unnamed_bad_dtype_on_one_rank,
+         lambda rank, size: (("DtypeError", "dtype bool is not supported")
+                             if last_differs(rank, size) else
+                             ("MismatchError", f"refused on rank {size - 1}: DtypeError"))),
+    Case("async_read_only_on_one_rank", async_read_only_on_one_rank,
+         lambda rank, size: (("ArgumentError", "read-only") if rank == 0 else
+                             ("MismatchError", "refused on rank 0: ArgumentError.*read-only"))),
+    Case("async_bad_root_on_one_rank", async_bad_root_on_one_rank,
+         lambda rank, size: (("ArgumentError", "root=") if last_differs(rank, size) else
+                             ("MismatchError", f"refused on rank {size - 1}: ArgumentError"))),
+    Case("async_allgather_trailing_mismatch", async_allgather_trailing_mismatch,
+         everywhere("MismatchError", r"'gather\.t' with different arguments.*int32\[\*, 4\]")),
+    Case("async_duplicate_name", async_duplicate_name,
+         everywhere("ArgumentError", "'dup' is already in flight")),
+    Case("async_zero_size", async_zero_size, everywhere(None)),
+    Case("async_nan_inf_propagate", async_nan_inf_propagate, everywhere(None)),
+    Case("async_missing_rank", async_missing_rank,
+         stalled_except(last_differs, pattern=r"the async engine's exchange \(this rank has "
+                        r"submitted 'grad\.w'\).*rank {last} has not called it"),
+         usable=False, stall=True),
+    Case("async_engine_never_started_on_one_rank", async_engine_never_started_on_one_rank,
+         stalled_except(last_differs, pattern=r"the async engine's start .*rank {last} has "
+                        "not called it"), usable=False, stall=True),
+    Case("async_different_names", async_different_names,
+         lambda rank, size: ("StallError", (r"'bias'.*waited past the stall timeout.*rank\(s\) "
+                                            rf"\[{', '.join(map(str, range(size - 1)))}\]")
+                             if last_differs(rank, size) else
+                             (r"'weight'.*waited past the stall timeout.*"
+                              rf"rank\(s\) \[{size - 1}\]")),
+         stall=True),
+    Case("async_blocking_mixed", async_blocking_mixed,
+         lambda rank, size: ("StallError", r"the async engine's exchange .*not called it"
+                             if last_differs(rank, size) else
+                             rf"allreduce .*rank {size - 1} has not called it"),
+         usable=False, stall=True),
+    Case("async_engine_stopped_on_one_rank", async_engine_stopped_on_one_rank,
+         lambda rank, size: ((None, "") if last_differs(rank, size) else
+                             ("CommunicationError", rf"rank\(s\) \[{size - 1}\] stopped their "
+                              "async engine .*without submitting 'orphan'"))),
+    Case("torch_dtype_mismatch", torch_dtype_mismatch,
+         everywhere("MismatchError", r"'t\.dtype' with different arguments.*float64\[5\]")),
+    Case("torch_shape_mismatch", torch_shape_mismatch,
+         everywhere("MismatchError", r"'t\.shape' with different arguments.*float32\[6\]")),
+    Case("torch_meta_tensor_everywhere", torch_meta_tensor_everywhere,
+         everywhere("DtypeError", "meta")),
 ]
 
 
@@ -307,6 +495,13 @@ class Context:
         self.comm = mt.init()
         self._stall: Any = None
         self.after_stall_s = 0.0
+
+    def hvd(self) -> Any:
+        """``mpitrain.torch`` (imported on first use: torch is slow to import)."""
+        import mpitrain.torch as hvd
+
+        hvd.init()
+        return hvd
 
     def new_stall_comm(self) -> None:
         """Create a communicator with a 1 s stall timeout (collective, before each stall
@@ -332,8 +527,12 @@ class Context:
         elif not case.usable:
             self.mt.shutdown()
             comm = self.comm = self.mt.init()
+        want = np.full(3, float(self.comm.size))
         y = comm.allreduce(np.ones(3))
-        return bool(np.array_equal(y, np.full(3, float(self.comm.size))))
+        if case.name.startswith(("async", "torch")):  # the engine goes on too
+            z = comm.allreduce_async(np.ones(3), name="next").wait()
+            return bool(np.array_equal(y, want) and np.array_equal(z, want))
+        return bool(np.array_equal(y, want))
 
 
 def main() -> None:
