@@ -1,6 +1,6 @@
-"""The code of README.md and docs/from-horovod.md runs as printed.
+"""The code of README.md and of the first pages of docs/ runs as printed.
 
-Every ```python block of those pages is run as a script under ``mpirun`` at 2 ranks
+Every ```python block of ``PAGES`` is run as a script under ``mpirun`` at 2 ranks
 (every block is mpitrain code, meant for several ranks), with a timeout, and must exit
 with status 0; blocks that import torch are skipped where torch is not installed. Every
 line of a ```sh block that starts with ``mpitrain-run`` is run with ``--dry-run``
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from jobrun import FLAGS, MPIRUN, ROOT, launcher, run
 
-PAGES = ["README.md", "docs/from-horovod.md"]
+PAGES = ["README.md", "docs/from-horovod.md", "docs/getting-started.md", "docs/collectives.md"]
 RANKS = 2
 TIMEOUT_S = 240
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
