@@ -31,8 +31,9 @@ if TYPE_CHECKING:
         MpitrainError,
         NotInitializedError,
         StallError,
+        UnsupportedError,
     )
-    from .ops import Average, Max, Min, Product, ReduceOp, Sum
+    from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
     from .session import (
         allgather,
         allgather_async,
@@ -71,8 +72,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "communicator": ("Communicator",),
     "engine": ("EngineStats", "Handle"),
     "errors": ("ArgumentError", "CommunicationError", "DtypeError", "MismatchError",
-               "MpitrainError", "NotInitializedError", "StallError"),
-    "ops": ("Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
+               "MpitrainError", "NotInitializedError", "StallError", "UnsupportedError"),
+    "ops": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
     "session": ("allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
                 "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_",
                 "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
@@ -87,12 +88,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
-    "ArgumentError", "Average", "CommunicationError", "Communicator", "DtypeError", "Max",
-    "Min", "MismatchError", "MpitrainError", "NotInitializedError", "Product", "ReduceOp",
-    "StallError", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_",
-    "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank", "cross_size",
-    "default_communicator", "elastic", "init", "is_initialized", "local_rank", "local_size", "rank",
-    "reduce_scatter", "shutdown", "size",
+    "Adasum", "ArgumentError", "Average", "CommunicationError", "Communicator", "DtypeError",
+    "Max", "Min", "MismatchError", "MpitrainError", "NotInitializedError", "Product",
+    "ReduceOp", "StallError", "Sum", "UnsupportedError", "allgather", "allgather_object",
+    "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object",
+    "cross_rank", "cross_size", "default_communicator", "elastic", "init", "is_initialized",
+    "local_rank", "local_size", "rank", "reduce_scatter", "shutdown", "size",
 ]
 __all__ += [
     "EngineStats", "Handle", "allgather_async", "allreduce_async", "allreduce_async_",

@@ -48,7 +48,12 @@ def check_dtype(dtype: Any, *, rank: int | None = None) -> np.dtype[Any]:
 
 
 def check_op_for_dtype(op: ReduceOp, dt: np.dtype[Any]) -> None:
-    """Raise if ``op`` has no meaning for ``dt`` (Min/Max on complex numbers)."""
+    """Raise if ``op`` has no meaning for ``dt`` (Min/Max on complex numbers, Adasum on
+    anything but floats)."""
+    if op is ReduceOp.ADASUM and dt not in FLOAT_DTYPES:
+        raise DtypeError(f"op=Adasum combines float vectors, but got dtype {dt}; pass one of "
+                         + ", ".join(str(d) for d in FLOAT_DTYPES)
+                         + " (e.g. x.astype(np.float32))")
     if dt.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise DtypeError(f"{op!r} is undefined for complex dtype {dt}; reduce the real "
                          "and imaginary parts (x.real, x.imag) separately")

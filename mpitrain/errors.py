@@ -22,6 +22,11 @@ class DtypeError(MpitrainError, TypeError):
     """An array's dtype (or type) is not supported for the requested operation."""
 
 
+class UnsupportedError(MpitrainError, NotImplementedError):
+    """A valid request that mpitrain (like Horovod) does not support in this setting,
+    e.g. Adasum over a rank count that is not a power of two."""
+
+
 class CommunicationError(MpitrainError, RuntimeError):
     """An error that involves other ranks."""
 

@@ -2,7 +2,8 @@
 
 ``Average`` is not a reduction of its own: it is ``Sum`` followed by a postscale of
 ``1/size`` (Horovod's definition), so every algorithm only implements Sum, Min, Max
-and Product.
+and Product. ``Adasum`` is not elementwise: it combines whole vectors (allreduce of
+float arrays only) and runs its own algorithm (:mod:`mpitrain.algorithms.adasum`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"
 
     # Members are singletons compared by identity: hash them the same way, in C
     # (Enum's own __hash__ is Python code, and every async submission hashes its op).
@@ -30,7 +32,7 @@ class ReduceOp(enum.Enum):
 
     @property
     def reduction(self) -> ReduceOp:
-        """The elementwise reduction actually performed (Average reduces as Sum)."""
+        """The reduction actually performed (Average reduces as Sum)."""
         return ReduceOp.SUM if self is ReduceOp.AVERAGE else self
 
 
@@ -39,6 +41,7 @@ Average = ReduceOp.AVERAGE
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 _ALIASES = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
 
@@ -57,4 +60,4 @@ def parse_op(op: ReduceOp | str) -> ReduceOp:
             pass
     names = ", ".join(o.value for o in ReduceOp)
     raise ArgumentError(f"unknown reduction op {op!r}; use one of mpitrain.Sum/Average/Min/"
-                        f"Max/Product or the strings {names}")
+                        f"Max/Product/Adasum or the strings {names}")

@@ -14,8 +14,9 @@ DTYPES = [str(d) for d in SUPPORTED_DTYPES]
 
 
 def ops_for(dtype: Any) -> list[ReduceOp]:
-    """The ops defined for ``dtype`` (no Min/Max for complex)."""
-    ops = list(ReduceOp)
+    """The elementwise ops defined for ``dtype`` (no Min/Max for complex; no Adasum,
+    which tests/mpi/test_adasum.py covers)."""
+    ops = [o for o in ReduceOp if o is not ReduceOp.ADASUM]
     if np.dtype(dtype).kind == "c":
         ops = [o for o in ops if o not in (ReduceOp.MIN, ReduceOp.MAX)]
     return ops
@@ -141,3 +142,24 @@ def check_allgather(comm: mt.Communicator, algorithm: str, dtype: Any,
         checks.equal(y, np.concatenate([block(r) for r in range(comm.size)]),
                      f"allgather {algorithm} {dtype} base={base}")
     checks.verdict()
+
+
+def adasum_pair(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The Adasum of two float64 vectors, straight from the formula (Horovod's floor:
+    a squared norm below 1e-8 gives coefficient 1)."""
+    dot, a_sq, b_sq = float(a @ b), float(a @ a), float(b @ b)
+    ca = 1.0 - dot / (2.0 * a_sq) if a_sq >= 1e-8 else 1.0
+    cb = 1.0 - dot / (2.0 * b_sq) if b_sq >= 1e-8 else 1.0
+    return ca * a + cb * b
+
+
+def adasum_reference(vectors: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    """Adasum over ranks in the tree of adjacent ranks (``(0 1) (2 3)``, then
+    ``(0 1 2 3)``, ...), computed in float64; each level's result is rounded to the
+    inputs' dtype, as the ranks store it."""
+    dt = vectors[0].dtype
+    level = [v.astype(np.float64) for v in vectors]
+    while len(level) > 1:
+        level = [adasum_pair(level[i], level[i + 1]).astype(dt).astype(np.float64)
+                 for i in range(0, len(level), 2)]
+    return level[0].astype(dt)

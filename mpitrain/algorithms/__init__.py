@@ -4,10 +4,15 @@
 To add an algorithm, write its module (a :class:`~.base.Plan` subclass that declares
 its capabilities) and list its class in :data:`REGISTRY`; the selection table
 (:mod:`mpitrain.dispatch.selection`) decides when ``auto`` picks it.
+
+An allreduce with ``op=Adasum`` is no elementwise reduction that these algorithms
+could run: it always runs :class:`~.adasum.AdasumAllreduce`, which is in no table.
 """
 
 from __future__ import annotations
 
+from ..ops import ReduceOp
+from .adasum import AdasumAllreduce
 from .base import Plan, PlanRequest
 from .bruck import BruckAllgather
 from .hierarchical import HierarchicalAllgather, HierarchicalAllreduce, HierarchicalReduceScatter
@@ -36,10 +41,15 @@ REGISTRY: dict[str, dict[str, type[Plan]]] = {
 ALGORITHMS: dict[str, tuple[str, ...]] = {c: tuple(algos) for c, algos in REGISTRY.items()}
 KNOWN: frozenset[str] = frozenset(name for algos in REGISTRY.values() for name in algos)
 """Every algorithm name of any collective."""
+ADASUM = "adasum"
+"""The name an allreduce with ``op=Adasum`` reports as its algorithm."""
 
 
 def build(collective: str, algorithm: str, request: PlanRequest) -> Plan:
-    """Plan ``algorithm`` for ``collective``."""
+    """Plan ``algorithm`` for ``collective`` (an allreduce with ``op=Adasum``: always
+    :class:`~.adasum.AdasumAllreduce`)."""
+    if request.op is ReduceOp.ADASUM:
+        return AdasumAllreduce(request)
     return REGISTRY[collective][algorithm](request)
 
 

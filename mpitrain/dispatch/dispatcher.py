@@ -44,7 +44,7 @@ from ..comm.topology import Topology
 from ..comm.transport import Transport
 from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
-from ..errors import ArgumentError
+from ..errors import ArgumentError, UnsupportedError
 from ..ops import ReduceOp, parse_op
 from .policy import policy_for
 from .selection import select
@@ -122,7 +122,23 @@ class Dispatcher:
         """``arr``'s dtype, if it is supported and ``op`` can reduce it."""
         dt = check_dtype(arr.dtype, rank=self.rank)
         check_op_for_dtype(op, dt)
+        if op is ReduceOp.ADASUM:
+            self.check_adasum(arr)
         return dt
+
+    def check_adasum(self, arr: Array) -> None:
+        """Raise unless Adasum can reduce ``arr`` here: host memory, and a power-of-two
+        number of ranks (Horovod's CPU Adasum refuses other counts too)."""
+        if self.size & (self.size - 1):
+            below = 1 << (self.size.bit_length() - 1)
+            raise UnsupportedError(
+                f"rank {self.rank}: op=Adasum needs a power-of-two number of ranks, but this "
+                f"communicator has {self.size}; run on {below} or {2 * below} ranks, or use "
+                "op=Average")
+        if backend_for(arr).is_device:
+            raise UnsupportedError(f"rank {self.rank}: op=Adasum reduces host arrays only, got "
+                                   f"a device {type(arr).__name__}; copy it to the host first "
+                                   "(cupy.asnumpy(x), tensor.cpu())")
 
     def check_out(self, be: ArrayBackend, out: Array, shape: tuple[int, ...],
                   dt: np.dtype[Any], what: str) -> Array:
@@ -293,7 +309,10 @@ class Dispatcher:
             be.scale_into(out, src, prescale)  # one pass: copy and prescale
             src = out
         count = src.size
-        alg = self.algorithm("allreduce", algorithm, count * dt.itemsize, be, dt)
+        if op is ReduceOp.ADASUM:
+            alg = self.adasum_algorithm(algorithm)
+        else:
+            alg = self.algorithm("allreduce", algorithm, count * dt.itemsize, be, dt)
         if n == 1:
             be.scale_into(out, src, scale)
         else:
@@ -304,6 +323,14 @@ class Dispatcher:
                           scale)
         return alg
 
+    def adasum_algorithm(self, requested: str | None) -> str:
+        """The algorithm of an Adasum allreduce: its own, whatever ``MPITRAIN_ALGORITHM``
+        says; ``algorithm=`` may only be ``None`` or ``"auto"``."""
+        if requested is not None and requested.lower() != "auto":
+            raise ArgumentError(f"rank {self.rank}: op=Adasum runs its own algorithm, not "
+                                f"{requested!r}; leave algorithm unset (or 'auto')")
+        return algorithms.ADASUM
+
     # -- reduce-scatter ----------------------------------------------------------------
     @on_stream
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
@@ -313,6 +340,10 @@ class Dispatcher:
         """See :meth:`mpitrain.Communicator.reduce_scatter`."""
         be, arr = backend_and_array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
+        if rop is ReduceOp.ADASUM:
+            raise UnsupportedError(f"rank {self.rank}: op=Adasum is an allreduce only (as in "
+                                   "Horovod); use allreduce(x, op=Adasum), or reduce_scatter "
+                                   "with op=Sum or Average")
         dt = self.check_reducible(arr, rop)
         if arr.ndim == 0:
             raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "

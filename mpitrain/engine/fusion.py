@@ -6,7 +6,8 @@ same :func:`fusion_key` (backend, dtype, op, prescale, postscale, algorithm) sha
 bucket until the next one would take it past ``threshold`` bytes; an entry of
 ``threshold`` bytes or more, and every entry of the other collectives, is a bucket of
 its own; the entries of a grouped allreduce share one bucket per key whatever their
-size. Buckets run in the order they were opened.
+size. Adasum arrays are never fused (their key is ``""``): each is a bucket of its
+own. Buckets run in the order they were opened.
 
 :class:`BucketRunner` runs a bucket: pack -> prescale -> collective -> postscale ->
 unpack, where the middle three are one call of the engine's
@@ -29,6 +30,7 @@ from typing import Any
 
 from ..algorithms.pieces import Pieces
 from ..dispatch import Dispatcher
+from ..ops import ReduceOp
 from .request import Request, Spec
 
 Phase = tuple[str, float, float]  # (name, start, end) in perf_counter seconds
@@ -69,7 +71,10 @@ class Bucket:
 def fusion_key(backend: str, dtype: Any, op: str | None, prescale: float, postscale: float,
                algorithm: str | None) -> str:
     """Arrays with equal keys may be reduced together in one buffer (a string, so that
-    the engine builds it once per spec and looks it up without hashing)."""
+    the engine builds it once per spec and looks it up without hashing); ``""``: never
+    fused (Adasum weighs each array by its own dot products and norms)."""
+    if op == ReduceOp.ADASUM.value:
+        return ""
     return f"{backend} {dtype} {op} {prescale!r} {postscale!r} {algorithm}"
 
 
@@ -94,9 +99,9 @@ def plan_buckets(requests: list[Request], threshold: int) -> list[Bucket]:
             bucket.add(request, request)
         elif spec.grouped:
             groups: dict[str, Bucket] = {}
-            for entry in request.entries or ():
+            for i, entry in enumerate(request.entries or ()):
                 key = fusion_key(entry.backend.name, entry.dtype, spec.op.value,
-                                 spec.prescale, spec.postscale, spec.algorithm)
+                                 spec.prescale, spec.postscale, spec.algorithm) or str(i)
                 groups.setdefault(key, Bucket()).add(request, entry)
             buckets.extend(groups.values())
         else:

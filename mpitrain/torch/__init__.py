@@ -9,9 +9,9 @@ A Horovod training script runs after changing its import line::
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 Differences from Horovod: the optimizer wrapper is a plain wrapper object (not a
-subclass of the wrapped optimizer's class), Adasum raises ``NotImplementedError``,
-process sets are not supported, and ``join`` is for the synchronous case (every rank
-has finished its collectives).
+subclass of the wrapped optimizer's class), Adasum runs on CPU tensors only (see
+docs/adasum.md), process sets are not supported, and ``join`` is for the
+synchronous case (every rank has finished its collectives).
 """
 
 from __future__ import annotations

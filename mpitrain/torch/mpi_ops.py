@@ -26,9 +26,8 @@ from mpi4py import MPI
 from .. import session
 from ..communicator import Communicator
 from ..errors import ArgumentError, MismatchError
-from ..ops import ReduceOp
+from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
-from ..trainer.reducer import Adasum, check_op
 from .tensors import as_buffer, from_buffer
 
 Average = ReduceOp.AVERAGE
@@ -36,6 +35,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 _JOIN_TAG = 0x4A4F  # on the adapter's own duplicate communicator
 
@@ -190,7 +190,7 @@ def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
         raise ArgumentError("The op parameter supersedes average; pass only one of them")
     if op is None:
         op = Sum if average is False else Average
-    return check_op(op)
+    return parse_op(op)
 
 
 # -- allreduce ------------------------------------------------------------------------
@@ -268,7 +268,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         average: deprecated Horovod spelling of ``op`` (True: Average, False: Sum).
         name: names the operation so ranks may submit in different orders.
         compression: ``Compression.none``/``fp16``/``bf16``, applied around the reduction.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``
+            (float tensors on the CPU, power-of-two rank counts; not differentiable).
         prescale_factor, postscale_factor: multiply before / after the reduction.
     """
     rop = _reduce_op(op, average)
@@ -444,7 +445,7 @@ def _scale_of(op: ReduceOp, prescale: float, postscale: float) -> float:
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter; the handle's output is this rank's block of dim 0."""
-    handle = _comm().reduce_scatter_async(as_buffer(tensor), check_op(op), name,
+    handle = _comm().reduce_scatter_async(as_buffer(tensor), parse_op(op), name,
                                           prescale_factor, postscale_factor)
     return _register([handle], lambda: from_buffer(handle.wait()))
 
@@ -475,7 +476,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     ``d // size`` (Horovod's split). ``op`` defaults to Average, as in Horovod.
     """
     compressed, ctx = compression.compress(tensor)
-    block = _Reducescatter.apply(compressed, name, check_op(op), prescale_factor,
+    block = _Reducescatter.apply(compressed, name, parse_op(op), prescale_factor,
                                  postscale_factor)
     return compression.decompress(block, ctx)
 

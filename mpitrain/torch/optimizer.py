@@ -11,7 +11,8 @@ Each parameter gets a ``register_post_accumulate_grad_hook``: when autograd has
 accumulated its gradient, the hook tells the :class:`~mpitrain.trainer.GradientReducer`,
 which starts the in-place allreduce of ``p.grad`` at once (after
 ``backward_passes_per_step`` passes), while backward goes on with earlier layers.
-``step()`` waits for all of them.
+``step()`` waits for all of them. With ``op=Adasum`` (:class:`AdasumReducer`) the
+hook steps the parameter's group locally instead and starts the Adasum of its change.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any, Iterable
 import torch
 
 from .. import session
-from ..errors import ArgumentError
-from ..ops import ReduceOp
+from ..errors import ArgumentError, UnsupportedError
+from ..ops import ReduceOp, parse_op
 from ..trainer.broadcast import broadcast_arrays, broadcast_tree
 from ..trainer.compression import Compression
 from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
@@ -91,6 +92,58 @@ class TensorReducer(GradientReducer[torch.Tensor]):
         return Submitted(list(group), [None], [indices, values], collect)
 
 
+class DeltaBridge(TensorBridge):
+    """Adasum's optimizer reduces each parameter's *delta* (its local step): storing the
+    combined delta sets the parameter to its value before the step plus that delta."""
+
+    def __init__(self) -> None:
+        super().__init__(sparse_as_dense=False)
+        self.starts: dict[int, torch.Tensor] = {}
+
+    def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """``param = start + value``."""
+        start = self.starts.pop(id(param))
+        with torch.no_grad():
+            param.copy_(start.add_(value))
+
+
+class AdasumReducer(TensorReducer):
+    """Horovod's Adasum optimizer: when a group's gradients are final, the wrapped
+    optimizer steps those parameters only, on this rank; what the step changed (the
+    delta) is what the ranks combine with Adasum. Not averaged, not scaled by the rank
+    count: Adasum itself weighs the ranks' steps."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], bridge: DeltaBridge,
+                 optimizer: Any, **options: Any) -> None:
+        super().__init__(named, bridge, **options)
+        self.optimizer, self.deltas = optimizer, bridge
+
+    def submit(self, group: list[torch.Tensor], grads: list[Any]) -> Submitted:
+        """Step ``group`` locally, leave its delta in the parameters, start the Adasum."""
+        if any(g.is_sparse for g in grads):
+            raise ArgumentError("op=Adasum needs dense gradients; pass sparse_as_dense=True")
+        with torch.no_grad():
+            for p in group:
+                self.deltas.starts[id(p)] = p.detach().clone()
+            self._step_only(group)
+            for p in group:
+                p.sub_(self.deltas.starts[id(p)])
+        return super().submit(group, [p.detach() for p in group])
+
+    def _step_only(self, params: list[torch.Tensor]) -> None:
+        """``optimizer.step()`` on ``params`` alone (the other parameters are hidden)."""
+        keep = {id(p) for p in params}
+        groups = self.optimizer.param_groups
+        stashed = [g["params"] for g in groups]
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        try:
+            self.optimizer.step()
+        finally:
+            for g, ps in zip(groups, stashed):
+                g["params"] = ps
+
+
 class DistributedOptimizer(DistributedOptimizerBase):
     """Horovod's ``DistributedOptimizer``: average gradients over ranks before ``step()``.
 
@@ -100,7 +153,11 @@ class DistributedOptimizer(DistributedOptimizerBase):
             ``allreduce.noname.<group>.<index>``). Every optimized parameter must be named.
         compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default) or ``Sum`` (``Adasum``: NotImplementedError).
+        op: ``Average`` (default), ``Sum`` or ``Adasum``. With ``Adasum`` over several
+            ranks, as in Horovod, each rank steps its optimizer on its own gradients
+            and the ranks combine the parameters' changes with Adasum (no averaging,
+            no scaling by the rank count); ``synchronize()`` then does nothing and
+            ``skip_synchronize()`` raises.
         gradient_predivide_factor: ``1/f`` before the sum, ``f/size`` after it.
         groups: ``None``, a group count, or lists of parameters allreduced together.
         sparse_as_dense: allreduce sparse gradients as dense tensors (else they are
@@ -116,7 +173,8 @@ class DistributedOptimizer(DistributedOptimizerBase):
                              backward_passes_per_step=backward_passes_per_step, op=op,
                              gradient_predivide_factor=gradient_predivide_factor,
                              groups=groups)
-        self._bridge = TensorBridge(sparse_as_dense)
+        self._adasum = parse_op(op) is ReduceOp.ADASUM and session.default_communicator().size > 1
+        self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
         if named_parameters is not None:
             named = list(named_parameters)
             if any(not isinstance(p, tuple) or len(p) != 2 for p in named):
@@ -148,7 +206,10 @@ class DistributedOptimizer(DistributedOptimizerBase):
                                     "optimized parameter(s) are not named; pass "
                                     "model.named_parameters() of the whole model")
         updated = [(names[id(p)], p) for p in params if p.requires_grad]
-        self.reducer = TensorReducer(updated, self._bridge, **self._options)
+        if isinstance(self._bridge, DeltaBridge):
+            self.reducer = AdasumReducer(updated, self._bridge, self.optimizer, **self._options)
+        else:
+            self.reducer = TensorReducer(updated, self._bridge, **self._options)
         me = weakref.ref(self)
         for _, p in updated:
             if id(p) not in self._hooked:
@@ -174,9 +235,29 @@ class DistributedOptimizer(DistributedOptimizerBase):
         self._build()
 
     def step(self, closure: Any = None) -> Any:
-        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step."""
+        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step.
+
+        With Adasum: step the parameters not stepped yet, wait for the combined deltas
+        and apply them (``closure`` is called first)."""
+        if self._adasum:
+            loss = closure() if closure is not None else None
+            self.reducer.synchronize()
+            return loss
         self._before_step()
         return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient allreduce and store the averaged gradients (with
+        Adasum: nothing, as in Horovod; ``step()`` does it all)."""
+        if not self._adasum:
+            super().synchronize()
+
+    def skip_synchronize(self) -> Any:
+        """See :meth:`DistributedOptimizerBase.skip_synchronize`; refused with Adasum."""
+        if self._adasum:
+            raise UnsupportedError("skip_synchronize() is not supported with op=Adasum (as in "
+                                   "Horovod): the optimizer steps inside step(); drop it")
+        return super().skip_synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; refused while allreduces are pending."""

@@ -20,6 +20,7 @@ Typical loop under ``mpirun -np N python train.py``::
 
 from __future__ import annotations
 
+from ..ops import Adasum
 from .broadcast import (
     allgather_object,
     broadcast_arrays,
@@ -33,7 +34,7 @@ from .data import DistributedSampler
 from .distributed import DistributedOptimizer
 from .metrics import Metrics, average_metrics
 from .optimizers import SGD, Adam, GradParameter, Optimizer, Parameter
-from .reducer import Adasum, GradientReducer
+from .reducer import GradientReducer
 
 __all__ = [
     "SGD", "Adam", "Adasum", "Compression", "Compressor", "DistributedOptimizer",

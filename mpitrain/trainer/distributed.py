@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..communicator import Communicator
-from ..ops import ReduceOp
+from ..errors import UnsupportedError
+from ..ops import ReduceOp, parse_op
 from .compression import Compression
 from .reducer import DistributedOptimizerBase, GradientReducer
 
@@ -44,7 +45,9 @@ class DistributedOptimizer(DistributedOptimizerBase):
         compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
         backward_passes_per_step: backward passes accumulated into ``.grad`` locally
             before one allreduce.
-        op: ``mt.Average`` (default), ``mt.Sum``, ... (``Adasum``: NotImplementedError).
+        op: ``mt.Average`` (default), ``mt.Sum``, ... (``Adasum`` raises
+            :class:`~mpitrain.UnsupportedError`: only ``mpitrain.torch`` has the Adasum
+            optimizer).
         gradient_predivide_factor: Horovod's split of the averaging (``op=Average`` only).
         groups: ``None``, a group count, or lists of parameters allreduced together.
         comm: the communicator (default: that of :func:`mpitrain.init`).
@@ -58,6 +61,10 @@ class DistributedOptimizer(DistributedOptimizerBase):
                  backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
                  comm: Communicator | None = None) -> None:
+        if parse_op(op) is ReduceOp.ADASUM:
+            raise UnsupportedError("trainer.DistributedOptimizer does not support op=Adasum; "
+                                   "use mpitrain.torch.DistributedOptimizer(op=hvd.Adasum), "
+                                   "or op=Average")
         self.optimizer = optimizer
         named = [(getattr(p, "name", None) or f"param.{i}", p)
                  for i, p in enumerate(optimizer.params)]

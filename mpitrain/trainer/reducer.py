@@ -37,16 +37,6 @@ from .compression import Compression
 P = TypeVar("P")
 P_contra = TypeVar("P_contra", contravariant=True)
 
-Adasum = "adasum"
-"""Horovod's Adasum reduction: accepted as a name, not implemented."""
-
-
-def check_op(op: Any) -> ReduceOp:
-    """``op`` as a :class:`ReduceOp`; Adasum raises ``NotImplementedError``."""
-    if isinstance(op, str) and op.strip().lower() == Adasum:
-        raise NotImplementedError("op=Adasum is not implemented by mpitrain; use Average "
-                                  "(Horovod's default) or Sum")
-    return parse_op(op)
 
 
 class GradientBridge(Protocol[P_contra]):
@@ -125,7 +115,7 @@ class GradientReducer(Generic[P]):
                  comm: Communicator | None = None, compression: Any = Compression.none,
                  op: Any = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
                  gradient_predivide_factor: float = 1.0, groups: Any = None) -> None:
-        self.op = check_op(op)
+        self.op = parse_op(op)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ArgumentError(f"backward_passes_per_step={backward_passes_per_step!r} must "
                                 "be an integer >= 1")

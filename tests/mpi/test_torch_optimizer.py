@@ -241,8 +241,8 @@ def test_wrapper_delegates_and_refuses_misuse() -> None:
         hvd.DistributedOptimizer(inner, named_parameters=[("w", p) for p in model.parameters()])
     with pytest.raises(ValueError, match="not named"):
         hvd.DistributedOptimizer(inner, named_parameters=list(model.named_parameters())[:1])
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.DistributedOptimizer(inner, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="needs op=Average"):
+        hvd.DistributedOptimizer(inner, op=hvd.Adasum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="needs op=Average"):
         hvd.DistributedOptimizer(inner, op=hvd.Sum, gradient_predivide_factor=2.0)
 
