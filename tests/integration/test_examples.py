@@ -27,7 +27,7 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     assert re.search(r"epoch 1/1 \[#+\] \d+/\d+ .* accuracy 0\.\d{4} \(averaged over 2 rank",
                      out), out
     assert re.search(r"test accuracy: 0\.\d{4} on 360 held-out digits", out), out
-    assert (ckpt / "ckpt-000000000.npz").exists()
+    assert (ckpt / "ckpt-000000000.safetensors").exists()
     events = json.loads(timeline.read_text())
     assert any(e.get("ph") == "X" for e in events), "the timeline recorded the allreduces"
 
@@ -38,5 +38,5 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     assert "epoch 1/2" not in out and "epoch 2/2" in out, out
     accuracy = float(re.search(r"test accuracy: (0\.\d{4})", out).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.5, f"two epochs should beat chance by far: {accuracy}"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-000000000.npz",
-                                                      "ckpt-000000001.npz"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-000000000.safetensors",
+                                                      "ckpt-000000001.safetensors"]
