@@ -556,14 +556,16 @@ def load(path: str, rank: int | None = None) -> Checkpoint:
     """Read a checkpoint without unpickling anything.
 
     Args:
-        path: a file written by :func:`save` (to resume, see :func:`load_latest`).
+        path: a file written by :func:`save` (to resume, see :func:`load_latest`); a
+            name ending in ``.npz`` is read as a checkpoint of the earlier format.
         rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
             has no state for (a different rank count) raises.
 
     Raises:
         DamagedCheckpointError: the file is truncated or corrupted (its checksum, sizes
-            or structure do not match), or is not an mpitrain checkpoint (another zip
-            or npz file, object arrays); the message names the file and the problem.
+            or structure do not match), or is not an mpitrain checkpoint (another
+            tool's safetensors file, another zip or npz file, object arrays); the
+            message names the file and the problem.
         CheckpointError: the file is a checkpoint of another format version, holds
             bfloat16 arrays without ml_dtypes installed, or has no per-rank state for
             ``rank``.
@@ -709,7 +711,7 @@ def _read_exactly(path: str, f: io.BufferedReader, name: str, dtype: np.dtype[An
     data = flat.view(np.uint8) if flat.nbytes else np.empty(0, np.uint8)
     done = 0
     while done < data.size:
-        got = f.readinto(memoryview(data)[done:done + _CHUNK])  # type: ignore[arg-type]
+        got = f.readinto(data.data[done:done + _CHUNK])
         if not got:
             raise _damaged(path, f"tensor {name!r:.40} ends after {done} of its {data.size} "
                                  "bytes: the file shrank while it was read")
