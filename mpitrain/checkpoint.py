@@ -1,20 +1,25 @@
-"""Durable, pickle-free training checkpoints.
+"""Durable, pickle-free training checkpoints, in a format other tools read.
 
-A checkpoint is one ``.npz`` file: every array of the saved state is an entry, and
-the rest of the state (dicts, lists, tuples, numbers, strings; the layout) is JSON
-stored in the entry ``__meta__``. The zip comment at the very end of the file holds
-a CRC-32 of every byte before it (``mpitrain-crc32:`` and 8 hex digits), so that any
-change to the file after it was written is detected. Files written before the
-checksum existed (no zip comment) still load.
+A checkpoint is one safetensors file (``ckpt-000000042.safetensors``): every array of
+the saved state is a tensor named after its place in the state (``model.layer1.weight``,
+``optimizer.state.0.momentum``; docs/checkpoint-format.md), and the rest of the state
+(dicts, lists, tuples, numbers, strings; the layout) is JSON stored in the header's
+``__metadata__`` under ``mpitrain``. The metadata's first entry, ``mpitrain.crc32``,
+is a CRC-32 of every byte of the file but its own 8 hex digits, so that any change to
+the file after it was written is detected. Arrays of a dtype safetensors lacks
+(complex128, strings, dates) are stored as their bytes (``U8``), their dtype and shape
+in the JSON. Checkpoints of the earlier format, ``.npz`` archives with the JSON in an
+entry ``__meta__`` and a CRC-32 in the zip comment (or none, in the oldest), still load.
 
-Reading trusts nothing in the file: sizes declared in the zip directory and in the
-``.npy`` headers are checked against the file's actual size before anything is
-allocated (no array buffer is larger than the file accounts for), the nesting of
-``.npy`` headers and of the JSON is bounded before they are parsed, and nothing is
-unpickled (a file holding an object array is refused), so a damaged or foreign file
-raises :class:`DamagedCheckpointError` naming the file and what is wrong, never
-another exception. :func:`load_latest`, used to
-resume, skips damaged checkpoints with a warning and takes the newest intact one.
+Reading trusts nothing in the file: sizes declared in the file (the safetensors header
+length, tensor offsets and shapes; the zip directory and ``.npy`` headers of ``.npz``
+files) are checked against the file's actual size before anything is allocated (no
+array buffer is larger than the file accounts for), the nesting of headers and of the
+JSON is bounded before they are parsed, and nothing is unpickled (a file holding an
+object array is refused), so a damaged or foreign file raises
+:class:`DamagedCheckpointError` naming the file and what is wrong, never another
+exception. :func:`load_latest`, used to resume, skips damaged checkpoints with a
+warning and takes the newest intact one.
 
 Writing is atomic and durable: rank 0 writes a temporary file in the target
 directory, ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the
@@ -51,7 +56,7 @@ import time
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, BinaryIO, Callable
 
 import numpy as np
 
@@ -61,31 +66,55 @@ from .errors import CheckpointError, DamagedCheckpointError
 from .session import default_communicator, is_initialized
 
 FORMAT = "mpitrain-checkpoint"
-VERSION = 1
+VERSION = 2
+"""The format version of the JSON metadata that :func:`save` writes (1: ``.npz`` files)."""
 MAX_DEPTH = 100
 """How deeply the JSON of a checkpoint may nest (dicts, lists; a tuple counts twice)."""
 
-_META = "__meta__"
-_NAME = re.compile(r"^ckpt-(\d+)\.npz$")
-_CHECKSUM_TAG = b"mpitrain-crc32:"
+_SUFFIX = ".safetensors"
+_NAME = re.compile(r"^ckpt-(\d+)\.(?:safetensors|npz)$")
 _CHECKSUM_DIGITS = 8
 _CHECKSUM_HEX = re.compile(rb"^[0-9a-f]{8}$")
+_CHUNK = 1 << 20
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\](){}]")
+
+# safetensors: an 8-byte little-endian header length, the JSON header, then the tensors'
+# bytes. mpitrain's header opens with the checksum, so its digits sit at a fixed offset.
+_HEADER_LENGTH = struct.Struct("<Q")
+_CRC_KEY, _META_KEY, _RESERVED = "mpitrain.crc32", "mpitrain", "__metadata__"
+_HEADER_START = b'{"__metadata__":{"mpitrain.crc32":"'
+_DIGITS_AT = _HEADER_LENGTH.size + len(_HEADER_START)
+_HEADER_DEPTH = 3  # header {tensor {shape [...]}}
+_MAX_DIMS = 64
+_TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
+_DTYPES: dict[str, np.dtype[Any]] = {
+    code: np.dtype(descr) for code, descr in (
+        ("BOOL", "|b1"), ("U8", "|u1"), ("I8", "|i1"), ("U16", "<u2"), ("I16", "<i2"),
+        ("F16", "<f2"), ("U32", "<u4"), ("I32", "<i4"), ("F32", "<f4"), ("C64", "<c8"),
+        ("U64", "<u8"), ("I64", "<i8"), ("F64", "<f8"))}
+if BFLOAT16 is not None:
+    _DTYPES["BF16"] = BFLOAT16
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+# The earlier format: an .npz archive (zip of .npy entries a0, a1, ... and __meta__).
+_NPZ_VERSION = 1
+_META = "__meta__"
+_CHECKSUM_TAG = b"mpitrain-crc32:"
 _END_RECORD = struct.Struct("<4s4H2LH")  # zip end-of-central-directory record, 22 bytes
 _END_SIGNATURE = b"PK\x05\x06"
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_HEADER_MAX = 10000  # what np.load accepts without allow_pickle
 _NPY_VERSIONS = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
-_CHUNK = 1 << 20
 _NPY_HEADER_DEPTH = 32  # of brackets in a .npy header (structured dtypes nest)
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _PY_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"", re.DOTALL)
 _NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings replaced by ''
-_NOT_BRACKET = re.compile(r"[^\[\](){}]")
 
-# Temporary files are named after the writing process, ``.tmp-ckpt-PID@HOST.XXXXXX.npz``,
-# so that a later process can tell an abandoned one from one being written now.
+# Temporary files are named after the writing process,
+# ``.tmp-ckpt-PID@HOST.XXXXXX.safetensors`` (``.npz`` before), so that a later process can
+# tell an abandoned one from one being written now.
 _TMP_PREFIX = ".tmp-ckpt-"
-_TMP_OWNER = re.compile(r"^\.tmp-ckpt-(\d+)@(.+)\.[a-z0-9_]+\.npz$")
+_TMP_OWNER = re.compile(r"^\.tmp-ckpt-(\d+)@(.+)\.[a-z0-9_]+\.(?:safetensors|npz)$")
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
 _STARTED = time.time()  # before any save of this process: saves need this module
 
@@ -98,43 +127,68 @@ __all__ = ["MAX_DEPTH", "Checkpoint", "CheckpointError", "DamagedCheckpointError
 
 # -- state <-> (JSON skeleton, arrays) ------------------------------------------------
 class _Encoder:
-    """Splits a state into a JSON skeleton and named arrays."""
+    """Splits a state into a JSON skeleton and arrays named after their place in it."""
 
     def __init__(self) -> None:
-        self.arrays: dict[str, np.ndarray[Any, Any]] = {}
+        self.arrays: dict[str, tuple[str, np.ndarray[Any, Any]]] = {}  # name: (code, data)
 
-    def encode(self, value: Any, where: str) -> Any:
+    def encode(self, value: Any, where: str, name: str) -> Any:
+        """The JSON of ``value``, found at ``where`` (for messages) and named ``name``
+        (dot-joined keys and indices, the names its arrays are stored under)."""
         if isinstance(value, np.generic):
-            return {"__scalar__": self._array(np.asarray(value), where)}
+            return {"__scalar__": self._array(np.asarray(value), where, name)}
         if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):
             value = value.get()  # cupy: saved from host memory
         if isinstance(value, np.ndarray):
-            return {"__array__": self._array(value, where)}
+            return {"__array__": self._array(value, where, name)}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, tuple):
-            return {"__tuple__": [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+            return {"__tuple__": [self.encode(v, f"{where}[{i}]", _join(name, i))
+                                  for i, v in enumerate(value)]}
         if isinstance(value, list):
-            return [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return [self.encode(v, f"{where}[{i}]", _join(name, i)) for i, v in enumerate(value)]
         if isinstance(value, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in value):
-                return {k: self.encode(v, f"{where}.{k}") for k, v in value.items()}
-            return {"__items__": [[self.encode(k, f"{where} key"), self.encode(v, f"{where}.{k}")]
+                return {k: self.encode(v, f"{where}.{k}", _join(name, k))
+                        for k, v in value.items()}
+            return {"__items__": [[self.encode(k, f"{where} key", _join(name, k)),
+                                   self.encode(v, f"{where}.{k}", _join(name, k))]
                                   for k, v in value.items()]}
         raise CheckpointError(f"checkpoint: {where} is a {type(value).__name__}; a checkpoint "
                               "holds only arrays, numbers, strings, None and dicts/lists/"
                               "tuples of them (convert tensors with .numpy())")
 
-    def _array(self, arr: np.ndarray[Any, Any], where: str) -> dict[str, Any]:
+    def _array(self, arr: np.ndarray[Any, Any], where: str, name: str) -> dict[str, Any]:
         if arr.dtype.hasobject:
             raise CheckpointError(f"checkpoint: {where} is an array of Python objects, which "
                                   "cannot be stored without pickle; store a numeric array")
-        key = f"a{len(self.arrays)}"
-        if BFLOAT16 is not None and arr.dtype == BFLOAT16:
-            self.arrays[key] = np.ascontiguousarray(arr).view(np.uint16)
-            return {"key": key, "dtype": "bfloat16"}
-        self.arrays[key] = arr
-        return {"key": key}
+        key = self._unique(name or "state")
+        little = arr.dtype.newbyteorder("<")
+        code = _CODES.get(little)
+        if code is not None:
+            self.arrays[key] = code, np.asarray(arr, dtype=little, order="C")
+            return {"key": key}
+        if arr.dtype.names is not None or arr.dtype.itemsize == 0:
+            raise CheckpointError(f"checkpoint: {where} is an array of dtype {arr.dtype}, which "
+                                  "a checkpoint cannot store; store each field of a structured "
+                                  "array as an array of its own, and strings as str")
+        # a dtype safetensors lacks (complex128, strings, dates): its bytes, as U8
+        self.arrays[key] = "U8", np.asarray(arr, order="C").reshape(-1).view(np.uint8)
+        return {"key": key, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+
+    def _unique(self, name: str) -> str:
+        """``name``, or ``name#2``, ``name#3``, ... if it is taken (``{"a.b": x, "a": {"b":
+        y}}`` names both arrays ``a.b``) or reserved."""
+        key, n = name, 1
+        while key in self.arrays or key == _RESERVED:
+            n += 1
+            key = f"{name}#{n}"
+        return key
+
+
+def _join(name: str, part: Any) -> str:
+    return f"{name}.{part}" if name else str(part)
 
 
 class _Decoder:
@@ -186,15 +240,40 @@ class _Decoder:
         kind = ref.get("dtype")
         if kind is None:
             return arr
-        if kind != "bfloat16" or arr.dtype != np.uint16:
+        if kind != "bfloat16":
+            return self._bytes_as(arr, kind, ref.get("shape"), where)
+        if arr.dtype != np.uint16:  # .npz files: bfloat16 stored as uint16
             raise self._bad(where, f"array {ref['key']} of {arr.dtype} is marked {kind!r:.40}")
         if BFLOAT16 is None:
             raise CheckpointError(f"{self.path} holds bfloat16 arrays ({where}); "
                                   "pip install ml_dtypes to load it")
         return arr.view(BFLOAT16)
 
+    def _bytes_as(self, raw: np.ndarray[Any, Any], descr: Any, shape: Any,
+                  where: str) -> np.ndarray[Any, Any]:
+        """The array of dtype ``descr`` and ``shape`` whose bytes ``raw`` holds."""
+        if not (isinstance(descr, str) and len(descr) <= 40 and raw.dtype == np.uint8
+                and raw.ndim == 1 and _is_shape(shape)):
+            raise self._bad(where, f"array of {raw.dtype} {raw.shape} is marked dtype "
+                                   f"{descr!r:.40}, shape {shape!r:.60}")
+        try:
+            dtype = np.dtype(descr)
+        except (TypeError, ValueError):
+            raise self._bad(where, f"{descr!r} is not a dtype") from None
+        if (dtype.hasobject or dtype.names is not None or dtype.subdtype is not None
+                or dtype.itemsize == 0 or math.prod(shape) * dtype.itemsize != raw.size):
+            raise self._bad(where, f"{raw.size} bytes cannot hold an array of {descr!r} of "
+                                   f"shape {tuple(shape)}")
+        return raw.view(dtype).reshape(shape)
+
     def _bad(self, where: str, problem: str) -> DamagedCheckpointError:
         return _damaged(self.path, f"its metadata is inconsistent at {where}: {problem}")
+
+
+def _is_shape(shape: Any) -> bool:
+    """Whether ``shape`` (from JSON) is a list of array dimensions."""
+    return (isinstance(shape, list) and len(shape) <= _MAX_DIMS
+            and all(type(n) is int and 0 <= n < 1 << 63 for n in shape))
 
 
 def _hashable(key: Any) -> Any:
@@ -216,11 +295,12 @@ def _nested_deeper_than(skeleton: str, limit: int) -> bool:
 # -- files ------------------------------------------------------------------------------
 def path_for(directory: str, step: int) -> str:
     """The file name of the checkpoint of ``step`` in ``directory``."""
-    return os.path.join(directory, f"ckpt-{step:09d}.npz")
+    return os.path.join(directory, f"ckpt-{step:09d}{_SUFFIX}")
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint in ``directory``, oldest first."""
+    """``(step, path)`` of every checkpoint in ``directory``, oldest first (``.npz``
+    files of the earlier format included; of one step, the ``.npz`` file comes first)."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -240,16 +320,17 @@ def latest(directory: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def _write_atomically(final: str, payload: bytes) -> None:
+def _write_atomically(final: str, write: Callable[[BinaryIO], None]) -> None:
+    """Make ``final`` the file that ``write`` writes, atomically and durably."""
     directory = os.path.dirname(final) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}@{_HOST}.", suffix=".npz",
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}@{_HOST}.", suffix=_SUFFIX,
                                dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
             mask = os.umask(0)
             os.umask(mask)
             os.fchmod(f.fileno(), 0o666 & ~mask)  # mkstemp's 0600, widened as open() would
-            f.write(payload)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -341,28 +422,42 @@ def _remove_old(directory: str, keep: int) -> None:
             os.unlink(old)
 
 
-def _encode_file(state: Any, per_rank: list[Any] | None, step: int) -> bytes:
+def _encoder(state: Any, per_rank: list[Any] | None, step: int) -> tuple[str, _Encoder]:
+    """The JSON metadata of a checkpoint and the encoder holding its arrays."""
     encoder = _Encoder()
     meta = {"format": FORMAT, "version": VERSION, "step": step,
-            "state": encoder.encode(state, "state"),
+            "state": encoder.encode(state, "state", ""),
             "per_rank": None if per_rank is None else
-            [encoder.encode(s, f"per_rank[{r}]") for r, s in enumerate(per_rank)]}
+            [encoder.encode(s, f"per_rank[{r}]", f"per_rank.{r}") for r, s in enumerate(per_rank)]}
     text = json.dumps(meta)
     if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
         raise CheckpointError(f"checkpoint: the state nests more than {MAX_DEPTH} levels of "
                               "dicts and lists (a tuple counts twice), more than a checkpoint "
                               "can be loaded with; flatten it")
-    entries = {**encoder.arrays, _META: np.frombuffer(text.encode("utf-8"), dtype=np.uint8)}
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        archive.comment = _CHECKSUM_TAG + b"0" * _CHECKSUM_DIGITS  # filled in below
-        for key, arr in entries.items():  # as np.savez writes them
-            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
-    view = buf.getbuffer()
-    view[-_CHECKSUM_DIGITS:] = b"%08x" % zlib.crc32(view[:-_CHECKSUM_DIGITS])
-    view.release()
-    return buf.getvalue()
+    return text, encoder
+
+
+def _write_safetensors(f: BinaryIO, meta: str, arrays: dict[str, tuple[str, Any]]) -> None:
+    """Write the safetensors file of ``arrays`` (name: (dtype code, C-ordered array))
+    with ``meta`` in its header, then its checksum into the header."""
+    order = sorted(arrays.items(), key=lambda item: -item[1][1].dtype.itemsize)  # aligned
+    tensors, offset = {}, 0
+    for name, (code, data) in order:
+        tensors[name] = {"dtype": code, "shape": list(data.shape),
+                         "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    header = json.dumps({_RESERVED: {_CRC_KEY: "0" * _CHECKSUM_DIGITS, _META_KEY: meta},
+                         **tensors}, separators=(",", ":")).encode("ascii")
+    header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-byte aligned
+    head = _HEADER_LENGTH.pack(len(header)) + header
+    f.write(head)
+    crc = zlib.crc32(head[_DIGITS_AT + _CHECKSUM_DIGITS:], zlib.crc32(head[:_DIGITS_AT]))
+    for _, (_, data) in order:
+        raw = data.reshape(-1).view(np.uint8)
+        f.write(raw)
+        crc = zlib.crc32(raw, crc)
+    f.seek(_DIGITS_AT)
+    f.write(b"%08x" % crc)
 
 
 def _communicator(comm: Communicator | None) -> Communicator | None:
@@ -380,7 +475,8 @@ def save(directory: str, state: Any, step: int, per_rank: Any = None,
             on every rank, and readable by every rank that will load it.
         state: nested dicts/lists/tuples of numpy arrays, numbers, strings and None;
             taken from rank 0.
-        step: the step number, part of the file name (``ckpt-000000042.npz``).
+        step: the step number, part of the file name
+            (``ckpt-000000042.safetensors``).
         per_rank: optional state that differs by rank (e.g. :func:`capture_rng`);
             gathered to rank 0 and stored for every rank.
         comm: the communicator (default: that of :func:`mpitrain.init` if initialised,
@@ -400,10 +496,10 @@ def save(directory: str, state: Any, step: int, per_rank: Any = None,
     error = None
     if rank == 0:
         try:
-            payload = _encode_file(state, gathered if per_rank is not None else None, step)
+            meta, encoder = _encoder(state, gathered if per_rank is not None else None, step)
             os.makedirs(directory, exist_ok=True)
             remove_temp_files(directory)
-            _write_atomically(final, payload)
+            _write_atomically(final, lambda f: _write_safetensors(f, meta, encoder.arrays))
             _remove_old(directory, keep)
         except (OSError, CheckpointError) as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -460,14 +556,16 @@ def load(path: str, rank: int | None = None) -> Checkpoint:
     """Read a checkpoint without unpickling anything.
 
     Args:
-        path: a file written by :func:`save` (to resume, see :func:`load_latest`).
+        path: a file written by :func:`save` (to resume, see :func:`load_latest`); a
+            name ending in ``.npz`` is read as a checkpoint of the earlier format.
         rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
             has no state for (a different rank count) raises.
 
     Raises:
         DamagedCheckpointError: the file is truncated or corrupted (its checksum, sizes
-            or structure do not match), or is not an mpitrain checkpoint (another zip
-            or npz file, object arrays); the message names the file and the problem.
+            or structure do not match), or is not an mpitrain checkpoint (another
+            tool's safetensors file, another zip or npz file, object arrays); the
+            message names the file and the problem.
         CheckpointError: the file is a checkpoint of another format version, holds
             bfloat16 arrays without ml_dtypes installed, or has no per-rank state for
             ``rank``.
@@ -518,30 +616,152 @@ def _damaged(path: str, problem: str) -> DamagedCheckpointError:
 
 
 def _read(path: str) -> _Contents:
-    """Every check, then the contents of checkpoint ``path``."""
+    """Every check, then the contents of checkpoint ``path`` (``.npz``: the earlier
+    format; any other name: safetensors)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        declared = _verify_end(path, f, size)
-        try:
-            with zipfile.ZipFile(f) as archive:
-                entries = _entries(path, archive, size, declared)
-                if _META not in entries:
-                    names = ", ".join(sorted(entries)[:5]) or "none"
-                    raise _damaged(path, f"it has no {_META} entry (arrays: {names}): "
-                                         "another npz or zip file")
-                meta = _meta(path, _read_array(path, archive, _META, entries[_META]))
-                arrays = {key: _read_array(path, archive, key, info)
-                          for key, info in entries.items() if key != _META}
-        except (CheckpointError, MemoryError):
-            raise
-        except Exception as exc:  # anything else a damaged zip or .npy header can raise
-            raise _damaged(path, f"its zip structure is unreadable ({type(exc).__name__}: "
-                                 f"{exc})") from exc
+        if path.endswith(".npz"):
+            meta, arrays = _read_npz(path, f, size)
+        else:
+            meta, arrays = _read_safetensors(path, f, size)
     decoder = _Decoder(path, arrays)
     per_rank = meta["per_rank"]
     return _Contents(path, meta["step"], decoder.decode(meta["state"], "state"),
                      None if per_rank is None else
                      [decoder.decode(s, f"per_rank[{r}]") for r, s in enumerate(per_rank)])
+
+
+def _read_safetensors(path: str, f: io.BufferedReader,
+                      size: int) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
+    """The metadata and arrays of a safetensors checkpoint, once its checksum matches and
+    its tensor table accounts for exactly the bytes after the header."""
+    smallest = _DIGITS_AT + _CHECKSUM_DIGITS
+    if size < smallest:
+        what = "empty (0 bytes)" if size == 0 else f"{size} bytes long"
+        raise _damaged(path, f"the file is {what}, shorter than the {smallest} bytes that open "
+                             "every mpitrain checkpoint: truncated, or never written")
+    (length,) = _HEADER_LENGTH.unpack(f.read(_HEADER_LENGTH.size))
+    if length > size - _HEADER_LENGTH.size:  # a u64: checked before anything is read
+        raise _damaged(path, f"it declares a {length}-byte header, longer than the "
+                             f"{size - _HEADER_LENGTH.size} bytes after it: truncated, or not "
+                             "a safetensors file")
+    header = f.read(length)
+    digits = header[len(_HEADER_START):len(_HEADER_START) + _CHECKSUM_DIGITS]
+    if not (header.startswith(_HEADER_START) and _CHECKSUM_HEX.match(digits)):
+        raise _damaged(path, f"its header does not open with mpitrain's checksum (it opens "
+                             f"{header[:len(_HEADER_START) + 10]!r:.80}): another tool's "
+                             "safetensors file, or not a safetensors file")
+    _check_crc32(path, f, size, _DIGITS_AT, digits)
+    table = _json(path, header, "header", _HEADER_DEPTH)
+    metadata = table.pop(_RESERVED, None) if isinstance(table, dict) else None
+    if not (isinstance(metadata, dict) and isinstance(metadata.get(_META_KEY), str)):
+        raise _damaged(path, f"its header holds no {_META_KEY!r} metadata")
+    meta = _meta(path, _json(path, metadata[_META_KEY].encode("utf-8"), "metadata", MAX_DEPTH),
+                 VERSION)
+    tensors = _tensors(path, table, size - _HEADER_LENGTH.size - length)
+    start = _HEADER_LENGTH.size + length
+    arrays = {}
+    for name, (begin, dtype, shape) in tensors.items():
+        f.seek(start + begin)
+        arrays[name] = _read_exactly(path, f, name, dtype, shape)
+    return meta, arrays
+
+
+def _tensors(path: str, table: dict[str, Any],
+             data_size: int) -> dict[str, tuple[int, np.dtype[Any], list[int]]]:
+    """``name: (offset, dtype, shape)`` of the header's tensors, once their extents are
+    found to tile the ``data_size`` bytes after the header, each byte once."""
+    tensors, extents = {}, []
+    for name, info in table.items():
+        if not (isinstance(info, dict) and set(info) == _TENSOR_FIELDS):
+            raise _damaged(path, f"tensor {name!r:.40} is described by {info!r:.80}")
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = _DTYPES.get(code) if isinstance(code, str) else None
+        if dtype is None and code == "BF16":
+            raise CheckpointError(f"{path} holds bfloat16 arrays ({name!r:.40}); pip install "
+                                  "ml_dtypes to load it")
+        if dtype is None or not _is_shape(shape):
+            raise _damaged(path, f"tensor {name!r:.40} has the dtype {code!r:.20} and shape "
+                                 f"{shape!r:.80}; mpitrain writes {', '.join(_DTYPES)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and _is_shape(offsets)
+                and offsets[0] <= offsets[1]):
+            raise _damaged(path, f"tensor {name!r:.40} has the data offsets {offsets!r:.80}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise _damaged(path, f"tensor {name!r:.40} of {code} {shape} ({nbytes} bytes) "
+                                 f"declares {offsets[1] - offsets[0]} bytes of data")
+        tensors[name] = offsets[0], dtype, shape
+        extents.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(extents):
+        if begin != end:
+            raise _damaged(path, f"tensor {name!r:.40} starts at byte {begin} of the data, "
+                                 f"where {end} was expected (tensors overlap or leave a gap)")
+        end = stop
+    if end != data_size:
+        raise _damaged(path, f"its tensors hold {end} bytes, the file {data_size} after its "
+                             "header: truncated, or extended")
+    return tensors
+
+
+def _read_exactly(path: str, f: io.BufferedReader, name: str, dtype: np.dtype[Any],
+                  shape: list[int]) -> np.ndarray[Any, Any]:
+    """Array ``name`` of ``dtype`` and ``shape``, read from where ``f`` stands."""
+    flat = np.empty(math.prod(shape), dtype)
+    data = flat.view(np.uint8) if flat.nbytes else np.empty(0, np.uint8)
+    done = 0
+    while done < data.size:
+        got = f.readinto(data.data[done:done + _CHUNK])
+        if not got:
+            raise _damaged(path, f"tensor {name!r:.40} ends after {done} of its {data.size} "
+                                 "bytes: the file shrank while it was read")
+        done += got
+    return flat.reshape(shape)
+
+
+def _check_crc32(path: str, f: io.BufferedReader, size: int, at: int, digits: bytes) -> None:
+    """Compare ``digits`` (hex, at offset ``at``) with the CRC-32 of every other byte."""
+    crc, chunk = 0, bytearray(min(_CHUNK, size))
+    for start, stop in ((0, at), (at + _CHECKSUM_DIGITS, size)):
+        f.seek(start)
+        left = stop - start
+        while left:
+            got = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
+            if not got:
+                raise _damaged(path, "the file shrank while it was read")
+            crc = zlib.crc32(memoryview(chunk)[:got], crc)
+            left -= got
+    if crc != int(digits, 16):
+        raise _damaged(path, f"its contents do not match their CRC-32 (stored "
+                             f"{digits.decode()}, computed {crc:08x}): the file changed "
+                             "after it was written")
+
+
+def _read_npz(path: str, f: io.BufferedReader,
+              size: int) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
+    """The metadata and arrays of an ``.npz`` checkpoint (the earlier format)."""
+    declared = _verify_end(path, f, size)
+    try:
+        with zipfile.ZipFile(f) as archive:
+            entries = _entries(path, archive, size, declared)
+            if _META not in entries:
+                names = ", ".join(sorted(entries)[:5]) or "none"
+                raise _damaged(path, f"it has no {_META} entry (arrays: {names}): "
+                                     "another npz or zip file")
+            raw = _read_array(path, archive, _META, entries[_META])
+            if raw.dtype != np.uint8 or raw.ndim != 1:
+                raise _damaged(path, f"its {_META} entry is {raw.dtype} of shape "
+                                     f"{raw.shape}, not bytes")
+            meta = _meta(path, _json(path, raw.tobytes(), "metadata", MAX_DEPTH),
+                         _NPZ_VERSION)
+            arrays = {key: _read_array(path, archive, key, info)
+                      for key, info in entries.items() if key != _META}
+    except (CheckpointError, MemoryError):
+        raise
+    except Exception as exc:  # anything else a damaged zip or .npy header can raise
+        raise _damaged(path, f"its zip structure is unreadable ({type(exc).__name__}: "
+                             f"{exc})") from exc
+    return meta, arrays
 
 
 def _verify_end(path: str, f: io.BufferedReader, size: int) -> int:
@@ -566,18 +786,7 @@ def _verify_end(path: str, f: io.BufferedReader, size: int) -> int:
         digits = comment[len(_CHECKSUM_TAG):]
         if not comment.startswith(_CHECKSUM_TAG) or not _CHECKSUM_HEX.match(digits):
             raise _damaged(path, f"its checksum record (zip comment {comment!r}) is damaged")
-        f.seek(0)
-        crc, left, chunk = 0, size - _CHECKSUM_DIGITS, bytearray(min(_CHUNK, size))
-        while left:
-            got = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
-            if not got:
-                raise _damaged(path, "the file shrank while it was read")
-            crc = zlib.crc32(memoryview(chunk)[:got], crc)
-            left -= got
-        if crc != int(digits, 16):
-            raise _damaged(path, f"its contents do not match their CRC-32 (stored "
-                                 f"{digits.decode()}, computed {crc:08x}): the file changed "
-                                 "after it was written")
+        _check_crc32(path, f, size, size - _CHECKSUM_DIGITS, digits)
     else:
         raise _damaged(path, f"it does not end with a zip end record ({size} bytes, last "
                              f"{tail[-8:].hex()}): truncated, or not a checkpoint")
@@ -693,28 +902,29 @@ def _npy_header(path: str, key: str, member: IO[bytes],
     return dtype, shape, fortran, start + length
 
 
-def _meta(path: str, raw: np.ndarray[Any, Any]) -> dict[str, Any]:
-    """The checked JSON of the ``__meta__`` entry."""
-    if raw.dtype != np.uint8 or raw.ndim != 1:
-        raise _damaged(path, f"its {_META} entry is {raw.dtype} of shape {raw.shape}, not "
-                             "bytes")
+def _json(path: str, text: bytes, what: str, depth: int) -> Any:
+    """The JSON ``text`` (the file's ``what``), once its nesting is found within ``depth``."""
     try:
-        text = raw.tobytes().decode("utf-8")
+        decoded = text.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _damaged(path, f"its metadata is not UTF-8 text ({exc})") from None
-    if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
-        raise _damaged(path, f"its metadata nests more than {MAX_DEPTH} levels deep")
+        raise _damaged(path, f"its {what} is not UTF-8 text ({exc})") from None
+    if _nested_deeper_than(_JSON_STRING.sub("", decoded), depth):
+        raise _damaged(path, f"its {what} nests more than {depth} levels deep")
     try:
-        meta = json.loads(text)
+        return json.loads(decoded)
     except ValueError as exc:
-        raise _damaged(path, f"its metadata is not valid JSON ({exc})") from None
+        raise _damaged(path, f"its {what} is not valid JSON ({exc})") from None
+
+
+def _meta(path: str, meta: Any, version: int) -> dict[str, Any]:
+    """The checked metadata: an mpitrain checkpoint's of format ``version``."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise _damaged(path, f"its metadata is not an mpitrain checkpoint's (format "
                              f"{found!r:.60}, expected {FORMAT!r})")
-    if meta.get("version") != VERSION:
+    if meta.get("version") != version:
         raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} version "
-                              f"{meta.get('version')!r:.20}; expected {FORMAT!r} {VERSION} "
+                              f"{meta.get('version')!r:.20}; expected {FORMAT!r} {version} "
                               "(written by another version of mpitrain?)")
     step, per_rank = meta.get("step"), meta.get("per_rank")
     if type(step) is not int or "state" not in meta or not (per_rank is None

@@ -1,7 +1,9 @@
 """Checkpoints of torch models and optimizers through :mod:`mpitrain.checkpoint`.
 
 Tensors become numpy arrays for the file and tensors again on load (model and
-optimizer ``state_dict``\\ s, including bfloat16); the file stays pickle-free. The
+optimizer ``state_dict``\\ s, including bfloat16); the file stays pickle-free, and
+other tools read the model's tensors from it by their ``state_dict`` names prefixed
+with ``model.`` (``safetensors.torch.load_file``; docs/checkpoint-format.md). The
 random states of Python, numpy and torch (CPU, and CUDA when in use) are saved per
 rank, so a run resumed at the same rank count continues bit-identically.
 """

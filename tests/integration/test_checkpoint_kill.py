@@ -35,13 +35,14 @@ def test_killed_between_write_and_rename(tmp_path: Path) -> None:
     assert "saved 1" in result.out
     names = sorted(os.listdir(tmp_path))
     assert any(n.startswith(".tmp-ckpt-") for n in names), names  # the torn write
-    assert [n for n in names if not n.startswith(".tmp")] == ["ckpt-000000001.npz"]
+    assert [n for n in names if not n.startswith(".tmp")] == ["ckpt-000000001.safetensors"]
     assert assert_intact(tmp_path) == 1
     resumed = checkpoint.load_latest(str(tmp_path))  # removes the dead writer's file
     assert resumed is not None and resumed.step == 1
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.safetensors"]
     checkpoint.save(str(tmp_path), {"w": np.zeros(1), "step": 5}, step=5)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.npz", "ckpt-000000005.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.safetensors",
+                                            "ckpt-000000005.safetensors"]
 
 
 def test_killed_at_random_moments(tmp_path: Path) -> None:
@@ -50,7 +51,7 @@ def test_killed_at_random_moments(tmp_path: Path) -> None:
         directory = tmp_path / str(attempt)
         proc = start([*WRITER, str(directory), "loop"])
         started = time.monotonic()
-        while not (directory / "ckpt-000000001.npz").exists():
+        while not (directory / "ckpt-000000001.safetensors").exists():
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() - started < 60
             time.sleep(0.02)

@@ -149,7 +149,7 @@ def test_write_is_atomic_and_cleans_up(comm: mt.Communicator, shared_dir: str,
         os.utime(stale, (time.time() - 3600,) * 2)
     first = checkpoint.save(shared_dir, state, step=1)
     listing = sorted(os.listdir(shared_dir))
-    assert_all_ranks(comm, listing == ["ckpt-000000001.npz"], f"directory: {listing}")
+    assert_all_ranks(comm, listing == ["ckpt-000000001.safetensors"], f"directory: {listing}")
     loaded = checkpoint.load(first)
     assert_all_ranks(comm, np.array_equal(loaded.state["w"], np.arange(5.0)) and
                      loaded.state["meta"] == {"lr": 0.1, 3: (1, "a")} and loaded.step == 1,
@@ -163,7 +163,7 @@ def test_write_is_atomic_and_cleans_up(comm: mt.Communicator, shared_dir: str,
         checkpoint.save(shared_dir, state, step=2)  # every rank raises rank 0's error
     monkeypatch.undo()
     listing = sorted(os.listdir(shared_dir))
-    assert_all_ranks(comm, listing == ["ckpt-000000001.npz"] and
+    assert_all_ranks(comm, listing == ["ckpt-000000001.safetensors"] and
                      checkpoint.latest(shared_dir) == first, f"after a failed write: {listing}")
     for step in (3, 4, 5):
         checkpoint.save(shared_dir, state, step=step, keep=2)
@@ -209,12 +209,12 @@ def test_cleanup_spares_temporary_files_being_written(comm: mt.Communicator, sha
     monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or replace(src, dst))
     checkpoint.save(shared_dir, {"x": 1}, step=1)
     monkeypatch.undo()
-    named = re.fullmatch(r"\.tmp-ckpt-\d+@(.+)\.[a-z0-9_]+\.npz",
+    named = re.fullmatch(r"\.tmp-ckpt-\d+@(.+)\.[a-z0-9_]+\.safetensors",
                          os.path.basename(renamed[0])) if comm.rank == 0 else None
     host = comm.broadcast_object(named.group(1) if named else None)
     assert host is not None, renamed
     old = time.time() - 3600
-    writing = f".tmp-ckpt-{os.getpid()}@{host}.slow12.npz"
+    writing = f".tmp-ckpt-{os.getpid()}@{host}.slow12.safetensors"
     if comm.rank == comm.size - 1:  # this rank's own save is still being written
         with open(os.path.join(shared_dir, writing), "wb") as f:
             f.write(b"half")
@@ -228,5 +228,5 @@ def test_cleanup_spares_temporary_files_being_written(comm: mt.Communicator, sha
     assert checkpoint.load_latest(shared_dir).step == 1
     checkpoint.save(shared_dir, {"x": 2}, step=2)
     listing = sorted(os.listdir(shared_dir))
-    assert_all_ranks(comm, listing == sorted([writing, "ckpt-000000001.npz",
-                                              "ckpt-000000002.npz"]), f"directory: {listing}")
+    want = sorted([writing, "ckpt-000000001.safetensors", "ckpt-000000002.safetensors"])
+    assert_all_ranks(comm, listing == want, f"directory: {listing}")

@@ -1,9 +1,12 @@
 """Damaged and foreign checkpoint files: refused with CheckpointError naming the file,
 in bounded memory; resuming skips them; temporary files of killed saves are removed.
 
-A real checkpoint is damaged systematically: a byte flipped (two ways) at positions in
-every part of the file (zip local headers, .npy headers, the JSON metadata, array
-data, the zip central directory, the end record and its checksum), truncated at many
+A real checkpoint of each format (safetensors, and .npz of the earlier format: the file
+tests/unit/data/ckpt-version1.npz, written by that format's writer) is damaged
+systematically: a byte flipped (two ways) at positions in every part of the file
+(safetensors: the header length, the checksum, the metadata JSON, the tensor table,
+the array data; .npz: zip local headers, .npy headers, the JSON metadata, array data,
+the zip central directory, the end record and its checksum), truncated at many
 lengths, extended; then files that lie consistently (a valid checksum over sizes that
 do not fit, JSON nested past any stack), and foreign files.
 """
@@ -36,8 +39,13 @@ from mpitrain.elastic import State
 from mpitrain.errors import CheckpointError
 
 END_RECORD = 22  # bytes of a zip end-of-central-directory record
-CHECKSUM = len(b"mpitrain-crc32:") + 8  # the zip comment of a checkpoint
+CHECKSUM = len(b"mpitrain-crc32:") + 8  # the zip comment of an .npz checkpoint
 PER_REGION = 60  # flipped positions per part of the file (more where a part is smaller)
+HEADER_START = b'{"__metadata__":{"mpitrain.crc32":"'  # of a safetensors checkpoint
+DIGITS_AT = 8 + len(HEADER_START)  # where its checksum's 8 hex digits are
+LEGACY = Path(__file__).parent / "data" / "ckpt-version1.npz"
+LEGACY_PER_RANK = {"r": np.arange(3, dtype=np.uint32),  # what it holds besides sample_state()
+                   "gen": np.random.default_rng(0).bit_generator.state}
 
 
 def sample_state() -> dict[str, Any]:
@@ -73,7 +81,16 @@ def intact(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     directory = tmp_path_factory.mktemp("intact")
     rng_state = checkpoint.capture_rng(np.random.default_rng(0))
     path = checkpoint.save(str(directory), sample_state(), step=7, per_rank=rng_state)
+    assert path.endswith(".safetensors"), path
     return Path(path).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def legacy() -> bytes:
+    """The bytes of an .npz checkpoint, written by the earlier format's writer."""
+    if BFLOAT16 is None:
+        pytest.skip("the .npz fixture holds a bfloat16 array: needs ml_dtypes")
+    return LEGACY.read_bytes()
 
 
 def without_checksum(data: bytes) -> bytes:
@@ -86,8 +103,26 @@ def without_checksum(data: bytes) -> bytes:
     return bytes(legacy)
 
 
+def header_of(data: bytes) -> tuple[int, dict[str, Any]]:
+    """The header length and header of safetensors file ``data``."""
+    length = struct.unpack_from("<Q", data)[0]
+    return length, json.loads(data[8:8 + length])
+
+
 def regions(data: bytes) -> dict[str, list[range]]:
-    """The byte ranges of each part of checkpoint file ``data``."""
+    """The byte ranges of each part of safetensors checkpoint ``data``."""
+    length, header = header_of(data)
+    meta = json.dumps(header["__metadata__"]["mpitrain"]).encode()  # as it is escaped
+    meta_at = data.index(meta, DIGITS_AT)
+    return {"header length": [range(0, 8)],
+            "checksum": [range(DIGITS_AT, DIGITS_AT + 8)],
+            "metadata JSON": [range(meta_at, meta_at + len(meta))],
+            "tensor table": [range(8, DIGITS_AT), range(meta_at + len(meta), 8 + length)],
+            "array data": [range(8 + length, len(data))]}
+
+
+def regions_npz(data: bytes) -> dict[str, list[range]]:
+    """The byte ranges of each part of .npz checkpoint ``data``."""
     archive = zipfile.ZipFile(io.BytesIO(data))
     parts: dict[str, list[range]] = {"zip local headers": [], "npy headers": [],
                                      "metadata JSON": [], "array data": []}
@@ -109,14 +144,15 @@ def regions(data: bytes) -> dict[str, list[range]]:
     return parts
 
 
-def positions(data: bytes) -> dict[str, list[int]]:
-    """Up to PER_REGION positions spread over each part; every byte of the end record
-    and checksum."""
+def positions(parts: dict[str, list[range]]) -> dict[str, list[int]]:
+    """Up to PER_REGION positions spread over each of ``parts``; every byte of the
+    header length, end record and checksum."""
     chosen = {}
-    for name, ranges in regions(data).items():
+    for name, ranges in parts.items():
         every = [p for r in ranges for p in r]
         step = max(1, len(every) // PER_REGION)
-        chosen[name] = every if name in ("end record", "checksum") else every[::step]
+        whole = name in ("header length", "end record", "checksum")
+        chosen[name] = every if whole else every[::step]
     return chosen
 
 
@@ -140,10 +176,10 @@ def refusal(path: Path, data: bytes, load: Callable[[str], Any] = checkpoint.loa
     return message
 
 
-def flips(data: bytes) -> Iterator[tuple[str, int, int, bytes]]:
-    """``(part, position, mask, damaged bytes)``: each chosen byte with its lowest bit
-    flipped and with all its bits flipped."""
-    for part, chosen in positions(data).items():
+def flips(data: bytes, parts: dict[str, list[range]]) -> Iterator[tuple[str, int, int, bytes]]:
+    """``(part, position, mask, damaged bytes)``: each chosen byte of ``parts`` of
+    ``data`` with its lowest bit flipped and with all its bits flipped."""
+    for part, chosen in positions(parts).items():
         for position in chosen:
             for mask in (0x01, 0xFF):
                 damaged = bytearray(data)
@@ -151,29 +187,34 @@ def flips(data: bytes) -> Iterator[tuple[str, int, int, bytes]]:
                 yield part, position, mask, bytes(damaged)
 
 
-def test_every_flipped_byte_is_refused(intact: bytes, tmp_path: Path) -> None:
-    path = tmp_path / "ckpt-000000007.npz"
+@pytest.mark.parametrize("kind", ["safetensors", "npz"])
+def test_every_flipped_byte_is_refused(kind: str, request: pytest.FixtureRequest,
+                                       tmp_path: Path) -> None:
+    data = request.getfixturevalue("intact" if kind == "safetensors" else "legacy")
+    parts = regions(data) if kind == "safetensors" else regions_npz(data)
+    path = tmp_path / f"ckpt-000000007.{kind}"
     tried: dict[str, int] = {}
-    for part, position, mask, damaged in flips(intact):
+    for part, position, mask, damaged in flips(data, parts):
         try:
             refusal(path, damaged)
         except BaseException as exc:
             raise AssertionError(f"{part}, byte {position} ^ {mask:#x}: {exc!r}") from exc
         tried[part] = tried.get(part, 0) + 1
-    assert all(tried.get(part, 0) >= 30 for part in regions(intact)), tried
-    assert sum(tried.values()) >= 400, tried
-    print(f"new format: {sum(tried.values())} flips refused: {tried}")
+    assert all(tried.get(part, 0) >= 16 for part in parts), tried
+    assert sum(tried.values()) >= 300, tried
+    print(f"{kind}: {sum(tried.values())} flips refused: {tried}")
 
 
-def test_flips_in_files_without_checksum_never_escape(intact: bytes, tmp_path: Path) -> None:
-    """Files written before the checksum existed still load; a flip in one is refused
-    by the per-entry CRC-32 of the zip or the structure checks, or lands in a field no
-    reader uses (a timestamp, the local header's copy of a size) and changes nothing."""
-    legacy = without_checksum(intact)
+def test_flips_in_files_without_checksum_never_escape(legacy: bytes, tmp_path: Path) -> None:
+    """.npz files written before the checksum existed still load; a flip in one is
+    refused by the per-entry CRC-32 of the zip or the structure checks, or lands in a
+    field no reader uses (a timestamp, the local header's copy of a size) and changes
+    nothing."""
+    legacy = without_checksum(legacy)
     assert same(checkpoint.load(_write(tmp_path, legacy)).state, sample_state())
     path = tmp_path / "ckpt-000000007.npz"
     refused, harmless = 0, collections.Counter()
-    for part, position, mask, damaged in flips(legacy):
+    for part, position, mask, damaged in flips(legacy, regions_npz(legacy)):
         path.write_bytes(damaged)
         try:
             loaded = checkpoint.load(str(path))
@@ -196,19 +237,24 @@ def _write(directory: Path, data: bytes) -> str:
     return str(path)
 
 
-def test_truncated_and_extended_files_are_refused(intact: bytes, tmp_path: Path) -> None:
-    path = tmp_path / "ckpt-000000007.npz"
+def test_truncated_and_extended_files_are_refused(intact: bytes, legacy: bytes,
+                                                  tmp_path: Path) -> None:
     tried = 0
-    for data in (intact, without_checksum(intact)):
-        cuts = {0, 1, 2, 4, END_RECORD - 1, END_RECORD, END_RECORD + 1, len(data) - 1,
-                len(data) - 8, len(data) - CHECKSUM, len(data) - END_RECORD,
-                len(data) - CHECKSUM - END_RECORD}
+    length = struct.unpack_from("<Q", intact)[0]
+    cases = [(intact, "safetensors", {7, 8, DIGITS_AT, DIGITS_AT + 8, 8 + length - 1,
+                                      8 + length, 8 + length + 1}),
+             (legacy, "npz", {END_RECORD - 1, END_RECORD, END_RECORD + 1, len(legacy) - CHECKSUM,
+                              len(legacy) - CHECKSUM - END_RECORD}),
+             (without_checksum(legacy), "npz", {END_RECORD - 1, END_RECORD, END_RECORD + 1})]
+    for data, kind, cuts in cases:
+        path = tmp_path / f"ckpt-000000007.{kind}"
+        cuts |= {0, 1, 2, 4, len(data) - 1, len(data) - 8, len(data) - END_RECORD}
         cuts.update(range(0, len(data), len(data) // 40))
         for cut in sorted(cuts):
             message = refusal(path, data[:cut])
             if cut == 0:
                 assert "empty (0 bytes)" in message, message
-            if 0 < cut < END_RECORD:
+            if 0 < cut < min(END_RECORD, DIGITS_AT):
                 assert "truncated" in message and "pickle" not in message, message
         for extra in (b"\0", b"x" * 100):
             refusal(path, data + extra)
@@ -216,9 +262,30 @@ def test_truncated_and_extended_files_are_refused(intact: bytes, tmp_path: Path)
     print(f"{tried} truncated or extended files refused")
 
 
+def forge_safetensors(tensors: dict[str, tuple[str, list[int], bytes]], meta: bytes,
+                      checksum: bool = True, **header: Any) -> bytes:
+    """A checkpoint-shaped safetensors file: ``tensors`` (name: (dtype code, shape,
+    bytes)) laid out one after the other, ``meta`` as mpitrain's metadata, ``header``
+    replacing entries of the header as they are, and the checksum mpitrain writes (a
+    CRC-32 of every byte but its 8 hex digits)."""
+    table: dict[str, Any] = {"__metadata__": {"mpitrain.crc32": "00000000",
+                                              "mpitrain": meta.decode()}}
+    offset, data = 0, b""
+    for name, (code, shape, raw) in tensors.items():
+        table[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset, data = offset + len(raw), data + raw
+    table.update(header)
+    text = json.dumps(table, separators=(",", ":")).encode()
+    file = bytearray(struct.pack("<Q", len(text)) + text + data)
+    if checksum:
+        crc = zlib.crc32(file[DIGITS_AT + 8:], zlib.crc32(file[:DIGITS_AT]))
+        file[DIGITS_AT:DIGITS_AT + 8] = b"%08x" % crc
+    return bytes(file)
+
+
 def forge(entries: dict[str, bytes], checksum: bool = True) -> bytes:
-    """A checkpoint-shaped file holding the ``.npy`` bytes ``entries`` as they are, with
-    the checksum mpitrain writes (a CRC-32 of every byte but its 8 hex digits)."""
+    """An .npz checkpoint-shaped file holding the ``.npy`` bytes ``entries`` as they
+    are, with the checksum mpitrain wrote (a CRC-32 of every byte but its 8 hex digits)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
         if checksum:
@@ -238,20 +305,68 @@ def npy(header: str, payload: bytes = b"", version: int = 1) -> bytes:
     return b"\x93NUMPY" + bytes([version, 0]) + length + text + payload
 
 
-def meta_json(state: Any, **fields: Any) -> bytes:
-    """The JSON metadata of a checkpoint whose state is ``state``."""
-    return json.dumps({"format": "mpitrain-checkpoint", "version": 1, "step": 1,
+def meta_json(state: Any, version: int = 2, **fields: Any) -> bytes:
+    """The JSON metadata of a checkpoint (of format ``version``) whose state is ``state``."""
+    return json.dumps({"format": "mpitrain-checkpoint", "version": version, "step": 1,
                        "state": state, "per_rank": None, **fields}).encode()
 
 
-def meta(state: Any, **fields: Any) -> bytes:
-    """The ``__meta__`` entry of a checkpoint whose state is ``state``."""
-    text = meta_json(state, **fields)
+def meta(state: Any, version: int = 1, **fields: Any) -> bytes:
+    """The ``__meta__`` entry of an .npz checkpoint whose state is ``state``."""
+    text = meta_json(state, version, **fields)
     return npy(f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({len(text)},), }}",
                text)
 
 
-def test_sizes_that_do_not_fit_the_file_are_refused_before_allocating(tmp_path: Path) -> None:
+def test_safetensors_sizes_that_do_not_fit_the_file_are_refused_before_allocating(
+        tmp_path: Path) -> None:
+    """Consistent lies (the checksum matches): each is caught by a size or structure
+    check, within a few times the file's size of memory."""
+    path = tmp_path / "ckpt-000000001.safetensors"
+    ref = meta_json({"__array__": {"key": "w"}})
+    eight = ("F64", [1], bytes(8))
+
+    def refused(tensors: dict[str, Any], metadata: bytes = ref, **header: Any) -> str:
+        return refusal(path, forge_safetensors(tensors, metadata, **header))
+
+    assert "declares 8 bytes" in refused({"w": ("F64", [200000000000], bytes(8))})
+    huge = {"dtype": "F64", "shape": [200000000000], "data_offsets": [0, 1600000000000]}
+    assert "the file 0 after its header" in refused({}, w=huge)
+    assert "overlap or leave a gap" in refused(
+        {"w": eight}, x={"dtype": "U8", "shape": [8], "data_offsets": [0, 8]})
+    assert "overlap or leave a gap" in refused(
+        {"w": eight}, x={"dtype": "U8", "shape": [8], "data_offsets": [16, 24]})
+    for bad in ({"dtype": "F8_E4M3", "shape": [8], "data_offsets": [0, 8]},
+                {"dtype": "F64", "shape": [-1], "data_offsets": [0, 8]},
+                {"dtype": "F64", "shape": [1.0], "data_offsets": [0, 8]},
+                {"dtype": "F64", "shape": [1], "data_offsets": [8, 0]},
+                {"dtype": "F64", "shape": [1], "data_offsets": [0, 8], "x": 1},
+                [1, 2], "w"):
+        assert "tensor 'w'" in refused({}, w=bad), bad
+    deep_table = {"dtype": "F64", "shape": [[[[[[1]]]]]], "data_offsets": [0, 8]}
+    assert "header nests more than 3 levels" in refused({}, w=deep_table)
+    deep = b"[" * 10000 + b"]" * 10000
+    message = refused({"w": eight}, deep)
+    assert f"metadata nests more than {checkpoint.MAX_DEPTH} levels" in message
+    assert "names array 'w', which the file lacks" in refused({"x": eight})
+    for metadata in ({"mpitrain.crc32": "00000000"},
+                     {"mpitrain.crc32": "00000000", "mpitrain": {"format": 1}}):
+        assert "'mpitrain' metadata" in refused({"w": eight}, __metadata__=metadata)
+    assert "not valid JSON" in refused({"w": eight}, b"{")
+    assert "not an mpitrain checkpoint's" in refused({"w": eight}, b'{"format": 1}')
+    for descr, shape in (("|O", [1]), ("|S0", [10 ** 10]), ("<f8", [2]), ("f8,f8", [1]),
+                         ("(2,)f4", [1]), ("not a dtype", [8]), (7, [8]), ("|u1", 8)):
+        raw_ref = meta_json({"__array__": {"key": "w", "dtype": descr, "shape": shape}})
+        assert "inconsistent" in refused({"w": ("U8", [8], bytes(8))}, raw_ref), descr
+
+    # a header length (a u64) far past the end of the file: refused before it is read
+    forged = bytearray(forge_safetensors({"w": eight}, ref))
+    forged[:8] = struct.pack("<Q", (1 << 64) - 1)
+    assert "18446744073709551615-byte header" in refusal(path, bytes(forged))
+
+
+def test_npz_sizes_that_do_not_fit_the_file_are_refused_before_allocating(
+        tmp_path: Path) -> None:
     """Consistent lies (the checksum matches): each is caught by a size check, within a
     few times the file's size of memory (1.46 TiB was asked for before)."""
     ref = {"__array__": {"key": "a0"}}
@@ -284,9 +399,17 @@ def test_sizes_that_do_not_fit_the_file_are_refused_before_allocating(tmp_path: 
 
 
 def test_foreign_files_are_refused(tmp_path: Path) -> None:
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "ckpt-000000001.safetensors"
+    other = safetensors_numpy.save({"x": np.ones(3)}, metadata={"format": "pt"})
+    assert "another tool's safetensors file" in refusal(path, other)
+    for data in (b"not a checkpoint\n" * 10, b"\x89PNG\r\n\x1a\n" + bytes(1000),
+                 random.Random(0).randbytes(1024), LEGACY.read_bytes()):
+        refusal(path, data)
+
     path = tmp_path / "ckpt-000000001.npz"
     buf = io.BytesIO()
-    np.savez_compressed(buf, __meta__=np.frombuffer(meta_json(1), np.uint8))
+    np.savez_compressed(buf, __meta__=np.frombuffer(meta_json(1, version=1), np.uint8))
     assert "compressed" in refusal(path, buf.getvalue())
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as archive:
@@ -297,7 +420,8 @@ def test_foreign_files_are_refused(tmp_path: Path) -> None:
     assert "no __meta__ entry" in refusal(path, buf.getvalue())
     buf = io.BytesIO()
     np.savez(buf, a0=np.array([print], dtype=object),
-             __meta__=np.frombuffer(meta_json({"__array__": {"key": "a0"}}), np.uint8))
+             __meta__=np.frombuffer(meta_json({"__array__": {"key": "a0"}}, version=1),
+                                    np.uint8))
     assert "without pickle" in refusal(path, buf.getvalue())
     other = forge({"__meta__": npy("{'descr': '|u1', 'fortran_order': False, "
                                    "'shape': (13,), }", b'{"format": 1}')})
@@ -319,13 +443,17 @@ def test_deep_states_and_other_versions_are_refused_but_not_as_damage(tmp_path: 
     assert checkpoint.load(path).state == {"x": deepest}
     assert max_depth == checkpoint.MAX_DEPTH
 
-    future = tmp_path / "ckpt-000000002.npz"
-    future.write_bytes(forge({"__meta__": meta(1, version=2)}))
-    with pytest.raises(CheckpointError, match="version 2") as raised:
-        checkpoint.load(str(future))
-    assert not isinstance(raised.value, checkpoint.DamagedCheckpointError)
-    with pytest.raises(CheckpointError, match="version 2"):  # not skipped when resuming
-        checkpoint.load_latest(str(tmp_path))
+    for name, data in (("ckpt-000000002.npz", forge({"__meta__": meta(1, version=2)})),
+                       ("ckpt-000000003.safetensors",
+                        forge_safetensors({}, meta_json(1, version=3)))):
+        future = tmp_path / name
+        future.write_bytes(data)
+        with pytest.raises(CheckpointError, match=r"version [23]") as raised:
+            checkpoint.load(str(future))
+        assert not isinstance(raised.value, checkpoint.DamagedCheckpointError)
+        with pytest.raises(CheckpointError, match=r"version [23]"):  # not skipped when resuming
+            checkpoint.load_latest(str(tmp_path))
+        future.unlink()
 
 
 def damage(path: str) -> None:
@@ -412,9 +540,9 @@ def test_torch_resume_skips_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
     assert hvd.load_latest_checkpoint(str(tmp_path / "none"), fresh) is None
 
 
-def temp_name(pid: int, host: str, mark: str) -> str:
+def temp_name(pid: int, host: str, mark: str, suffix: str = ".safetensors") -> str:
     """The name of a temporary file of a save by process ``pid`` of ``host``."""
-    return f".tmp-ckpt-{pid}@{host}.{mark}.npz"
+    return f".tmp-ckpt-{pid}@{host}.{mark}{suffix}"
 
 
 def test_temporary_files_of_killed_saves_are_removed_at_startup(
@@ -424,7 +552,7 @@ def test_temporary_files_of_killed_saves_are_removed_at_startup(
     monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or replace(src, dst))
     checkpoint.save(str(tmp_path), {"x": 1}, step=1)
     monkeypatch.undo()
-    name = re.fullmatch(rf"\.tmp-ckpt-{os.getpid()}@(.+)\.[a-z0-9_]+\.npz",
+    name = re.fullmatch(rf"\.tmp-ckpt-{os.getpid()}@(.+)\.[a-z0-9_]+\.safetensors",
                         os.path.basename(renamed[0]))
     assert name, renamed  # a save names its temporary file after its process
     host = name.group(1)
@@ -434,6 +562,7 @@ def test_temporary_files_of_killed_saves_are_removed_at_startup(
     old = time.time() - 3600  # before this process started
     files = {  # name: (seconds since the epoch it was last written, removed?)
         temp_name(int(dead.stdout), host, "dead1x"): (time.time(), True),
+        temp_name(int(dead.stdout), host, "dead2x", ".npz"): (time.time(), True),  # as before
         temp_name(live.pid, host, "live1x"): (old, False),  # a live writer, however slow
         temp_name(os.getpid(), host, "mine1x"): (old, False),
         temp_name(123, "elsewhere", "old1xy"): (old, True),
@@ -447,7 +576,7 @@ def test_temporary_files_of_killed_saves_are_removed_at_startup(
             (tmp_path / name).write_bytes(b"torn")
             os.utime(tmp_path / name, (mtime, mtime))
         checkpoint.save(str(tmp_path), {"x": 1}, step=1)
-        (tmp_path / "ckpt-000000001.npz").unlink()
+        (tmp_path / "ckpt-000000001.safetensors").unlink()
         kept = sorted(name for name, (_, removed) in files.items() if not removed)
         assert sorted(os.listdir(tmp_path)) == kept
         live.kill()

@@ -98,8 +98,8 @@ def test_durable_checkpoint_round_trip(tmp_path: Path) -> None:
         w += 1
         state.step = step
         state.commit()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000002.npz",
-                                                          "ckpt-000000004.npz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000002.safetensors",
+                                                          "ckpt-000000004.safetensors"]
     fresh = State(checkpoint=str(tmp_path), checkpoint_every=2, w=np.zeros(5), step=0)
     assert fresh.load_checkpoint()
     assert fresh.commits == 4 and fresh.step == 4

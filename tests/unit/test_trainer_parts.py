@@ -121,7 +121,7 @@ def test_checkpoint_round_trips_every_kind_of_value(tmp_path: object) -> None:
     assert got["tuple"] == (1, "x", None, True) and got["int_keys"] == {0: "a", (1, 2): "b"}
     assert got["dunder"] == {"__array__": 1} and got["nested"][0]["a"].dtype == np.int8
     assert checkpoint.latest(directory) == path and checkpoint.latest(directory + "/no") is None
-    assert os.listdir(directory) == ["ckpt-000000003.npz"]
+    assert os.listdir(directory) == ["ckpt-000000003.safetensors"]
 
 
 def test_rng_capture_and_restore() -> None:
