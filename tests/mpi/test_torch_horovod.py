@@ -162,3 +162,61 @@ def test_horovod_internal_error_catches_mismatches() -> None:
         hvd.allreduce(torch.ones(2 + hvd.rank()), name="mismatch_probe")
     check(torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum),
                       torch.full((2,), float(hvd.size()))), "usable afterwards")
+
+
+def one_parameter_step(opt: Any, p: Any, scaler: Any = None) -> None:
+    """Backward of ``p.sum() * (rank + 1)``: the averaged gradient is ``(size + 1) / 2``."""
+    opt.zero_grad()
+    loss = p.sum() * (hvd.rank() + 1)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+        return
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_optimizer_is_a_torch_optimizer() -> None:
+    mean = (hvd.size() + 1) / 2
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("p", p)])
+    assert isinstance(opt, torch.optim.Optimizer) and opt.defaults["lr"] == 1.0
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    one_parameter_step(opt, p)
+    schedule.step()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.5
+    one_parameter_step(opt, p)  # with the scheduled learning rate
+    check(torch.equal(p.detach(), torch.full((2,), -mean * 1.5)), f"StepLR: {p}")
+    saved = opt.state_dict()
+    opt.param_groups[0]["lr"] = 9.0
+    opt.load_state_dict(saved)
+    assert opt.optimizer.param_groups[0]["lr"] == 0.5
+
+    q = torch.nn.Parameter(torch.zeros(2))
+    scaled = hvd.DistributedOptimizer(torch.optim.SGD([q], lr=1.0), named_parameters=[("q", q)])
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    one_parameter_step(scaled, q, scaler)
+    check(torch.equal(q.detach(), torch.full((2,), -mean)), f"GradScaler: {q}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_optimizer_state_with_parameters_without_gradient() -> None:
+    frozen = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+    trained = torch.nn.Parameter(torch.full((4,), float(hvd.rank())))
+    sgd = torch.optim.SGD([frozen, trained], lr=0.1, momentum=0.9, nesterov=True,
+                          weight_decay=hvd.rank() * 0.1)
+    opt = hvd.DistributedOptimizer(sgd)  # without named_parameters
+    hvd.broadcast_parameters([("frozen", frozen), ("trained", trained)], root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert frozen.grad is None and torch.equal(trained.grad, torch.zeros(4))
+    check(opt.param_groups[0]["weight_decay"] == 0.0 and torch.equal(trained.detach(),
+                                                                      torch.zeros(4)),
+          "root's hyper-parameters, parameters not stepped")
+    one_parameter_step(opt, trained)
+    check(torch.allclose(trained.detach(), torch.full((4,), -0.1 * 1.9 * (hvd.size() + 1) / 2)),
+          f"a step after the broadcast: {trained}")
