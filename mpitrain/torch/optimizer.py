@@ -162,15 +162,27 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         """The wrapped optimizer's ``param_groups`` (the same list)."""
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
     @property
     def state(self) -> Any:
         """The wrapped optimizer's ``state``."""
         return self.optimizer.state
 
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
     @property
     def defaults(self) -> dict[str, Any]:
         """The wrapped optimizer's ``defaults``."""
-        return self.optimizer.defaults  # type: ignore[no-any-return]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer and hook its parameters."""
