@@ -8,10 +8,10 @@ A Horovod training script runs after changing its import line::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Differences from Horovod: the optimizer wrapper is a plain wrapper object (not a
-subclass of the wrapped optimizer's class), Adasum raises ``NotImplementedError``,
-process sets are not supported, and ``join`` is for the synchronous case (every rank
-has finished its collectives).
+Differences from Horovod (docs/horovod-notes.md has the details): the optimizer
+wrapper is a ``torch.optim.Optimizer`` that holds the user's optimizer (not a subclass
+of its class), Adasum raises ``NotImplementedError``, process sets are not supported,
+and ``join`` is for the synchronous case (every rank has finished its collectives).
 """
 
 from __future__ import annotations
