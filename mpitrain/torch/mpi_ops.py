@@ -14,8 +14,9 @@ Async calls return an integer handle, as in Horovod: :func:`poll` tests it,
 
 from __future__ import annotations
 
-import itertools
 import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -23,9 +24,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import session
+from .. import session, timeline
 from ..communicator import Communicator
-from ..errors import ArgumentError, MismatchError
+from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
 from .tensors import as_buffer, from_buffer
@@ -36,6 +37,10 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
+
+HorovodInternalError = CommunicationError
+"""What Horovod raises when a collective fails across ranks: mpitrain's
+:class:`~mpitrain.CommunicationError` (mismatches, stalls), a ``RuntimeError``."""
 
 _JOIN_TAG = 0x4A4F  # on the adapter's own duplicate communicator
 
@@ -62,6 +67,7 @@ def shutdown() -> None:
     global _control_comm
     with _lock:
         _ops.clear()
+        _finished.clear()
     if _control_comm is not None:
         _control_comm.comm.Free()
         _control_comm = None
@@ -133,6 +139,48 @@ def nccl_built() -> int:
     return 0
 
 
+def ddl_built() -> bool:
+    """Always False: there is no IBM DDL support."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Always False: there is no oneCCL support."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Always False: ROCm tensors are not supported."""
+    return False
+
+
+def cuda_built() -> bool:
+    """True if CUDA tensors work here: torch sees a GPU and mpitrain's GPU backend
+    (CuPy) can be imported. False on CPU-only machines (use CPU tensors there)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from ..backends import cupy_backend  # noqa: F401  (imports CuPy)
+    except ImportError:
+        return False
+    return True
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write the engine's timeline (Chrome trace) to ``file_path`` from now on.
+
+    Call it on every rank; rank 0 writes. ``mark_cycles`` is accepted for Horovod
+    compatibility: mpitrain's timeline has no cycle markers.
+    """
+    timeline.start_timeline(file_path)
+
+
+def stop_timeline() -> None:
+    """Flush and close the timeline started by :func:`start_timeline` or
+    ``MPITRAIN_TIMELINE``/``HOROVOD_TIMELINE``."""
+    timeline.stop_timeline()
+
+
 def _comm() -> Communicator:
     return session.default_communicator()
 
@@ -154,34 +202,75 @@ class _Op:
 
 
 _ops: dict[int, _Op] = {}
-_numbers = itertools.count(1)
+_issued = 0  # the last handle number given out
 _lock = threading.Lock()
+_FINISHED_KEPT = 1024
+_finished: OrderedDict[int, Callable[[], Any]] = OrderedDict()
+"""Weak references to the outputs of the last synchronized handles, by handle."""
 
 
 def _register(handles: list[Any], finish: Callable[[], Any]) -> int:
+    global _issued
     with _lock:
-        number = next(_numbers)
-        _ops[number] = _Op(handles, finish)
-    return number
+        _issued += 1
+        _ops[_issued] = _Op(handles, finish)
+        return _issued
 
 
-def _lookup(handle: int, pop: bool) -> _Op:
+def _weakly(result: Any) -> Callable[[], Any]:
+    """A getter of ``result`` that keeps it alive no longer than its other owners do."""
+    if isinstance(result, (list, tuple)):
+        refs = [weakref.ref(r) for r in result]
+        kind = type(result)
+
+        def items() -> Any:
+            alive = [r() for r in refs]
+            return None if any(a is None for a in alive) else kind(alive)
+        return items
+    return weakref.ref(result)
+
+
+def _lookup(handle: int) -> _Op | None:
+    """The operation of ``handle`` in flight; ``None`` if it was already synchronized."""
     with _lock:
-        op = _ops.pop(handle, None) if pop else _ops.get(handle)
-    if op is None:
-        raise ArgumentError(f"rank {rank()}: {handle!r} is not the handle of an operation in "
-                            "flight (already synchronized, or not from this module)")
+        op = _ops.get(handle)
+    if op is None and not (isinstance(handle, int) and 0 < handle <= _issued):
+        raise ArgumentError(f"rank {rank()}: {handle!r} is not a handle returned by an async "
+                            f"call of this module (handles are 1..{_issued}); pass the value "
+                            "that allreduce_async() and the like returned")
     return op
 
 
 def poll(handle: int) -> bool:
-    """True once the operation of ``handle`` is done (never blocks)."""
-    return all(h.test() for h in _lookup(handle, pop=False).handles)
+    """True once the operation of ``handle`` is done (never blocks); True after
+    :func:`synchronize` too."""
+    op = _lookup(handle)
+    return op is None or all(h.test() for h in op.handles)
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its output tensor."""
-    return _lookup(handle, pop=True).finish()
+    """Wait for the operation of ``handle`` and return its output tensor.
+
+    A handle that was already synchronized returns the same output again, as long as
+    the output is still referenced elsewhere (for the last 1024 handles); else
+    ``None``, which is what Horovod returns for such a handle.
+
+    Raises:
+        ArgumentError: ``handle`` was never returned by an async call here.
+        CommunicationError: the operation failed across ranks (``HorovodInternalError``).
+    """
+    with _lock:
+        op = _ops.pop(handle, None)
+        getter = _finished.get(handle) if op is None else None
+    if op is None:
+        _lookup(handle)  # raises for a handle never given out
+        return None if getter is None else getter()
+    result = op.finish()
+    with _lock:
+        _finished[handle] = _weakly(result)
+        if len(_finished) > _FINISHED_KEPT:
+            _finished.popitem(last=False)
+    return result
 
 
 def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
@@ -194,20 +283,73 @@ def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
 
 
 # -- allreduce ------------------------------------------------------------------------
+def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` in place and return it, as Horovod scales on the CPU:
+    integers in float64, truncated toward zero; float16 in float32, rounded once."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype == torch.float16:
+        return tensor.copy_(tensor.to(torch.float32) * factor)
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.mul_(factor)
+    return tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
+
+
+def _engine_scales(tensor: torch.Tensor) -> bool:
+    """True for the dtypes whose scaling the engine does as Horovod does."""
+    return (tensor.is_floating_point() and tensor.dtype != torch.float16) or tensor.is_complex()
+
+
+@dataclass(frozen=True)
+class _Scaling:
+    """Who scales an allreduce: the engine (``op``, ``prescale``, ``postscale``) or,
+    with integer tensors, the adapter (``before``/``after`` the reduction)."""
+
+    op: ReduceOp
+    prescale: float
+    postscale: float
+    before: float = 1.0
+    after: float = 1.0
+
+    def source(self, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+        """The contiguous tensor to submit, prescaled by the adapter where it scales."""
+        if self.before == 1.0:
+            return tensor if tensor.is_contiguous() else tensor.contiguous()
+        if inplace and tensor.is_contiguous():
+            return _scale_(tensor, self.before)
+        return _scale_(tensor.clone(memory_format=torch.contiguous_format), self.before)
+
+
+def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
+             postscale: float) -> _Scaling:
+    """With an integer or float16 tensor among ``tensors`` the adapter scales (prescale
+    before the reduction; postscale, and Average's ``1/size``, after it) as
+    :func:`_scale_` does; the engine then only reduces. Otherwise the engine scales."""
+    if all(_engine_scales(t) for t in tensors) or \
+            (op is not Average and prescale == 1.0 and postscale == 1.0):
+        return _Scaling(op, prescale, postscale)
+    after = postscale / size() if op is Average else postscale
+    return _Scaling(Sum if op is Average else op, 1.0, 1.0, prescale, after)
+
+
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
                      op: ReduceOp, prescale: float, postscale: float) -> int:
+    how = _scaling([tensor], op, prescale, postscale)
     if output is not None:  # in place
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        handle = _comm().allreduce_async_(as_buffer(work), op, name, prescale, postscale)
+        work = how.source(tensor, inplace=True)
+        handle = _comm().allreduce_async_(as_buffer(work), how.op, name, how.prescale,
+                                          how.postscale)
 
         def finish() -> torch.Tensor:
             handle.wait()
             if work is not tensor:
                 tensor.copy_(work)
-            return tensor
+            return _scale_(tensor, how.after)
         return _register([handle], finish)
-    handle = _comm().allreduce_async(as_buffer(tensor), op, name, prescale, postscale)
-    return _register([handle], lambda: from_buffer(handle.wait()))
+    source = how.source(tensor, inplace=False)
+    handle = _comm().allreduce_async(as_buffer(source), how.op, name, how.prescale,
+                                     how.postscale)
+    return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -271,6 +413,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``
             (float tensors on the CPU, power-of-two rank counts; not differentiable).
         prescale_factor, postscale_factor: multiply before / after the reduction.
+            Integer tensors are scaled as Horovod scales them: in float64, truncated
+            toward zero (also Average's division by the rank count); float16 in
+            float32; other floating-point tensors in their own dtype. (mpitrain's
+            numpy/cupy API rounds integers toward minus infinity instead.)
     """
     rop = _reduce_op(op, average)
     compressed, ctx = compression.compress(tensor)
@@ -281,19 +427,22 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
                    op: ReduceOp, prescale: float, postscale: float) -> int:
     tensors = list(tensors)
+    how = _scaling(tensors, op, prescale, postscale)
+    work = [how.source(t, inplace) for t in tensors]
     if not inplace:
-        handle = _comm().grouped_allreduce_async([as_buffer(t) for t in tensors], op, name,
-                                                 prescale, postscale)
-        return _register([handle], lambda: [from_buffer(r) for r in handle.wait()])
-    work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    handle = _comm().grouped_allreduce_async_([as_buffer(w) for w in work], op, name,
-                                              prescale, postscale)
+        handle = _comm().grouped_allreduce_async([as_buffer(w) for w in work], how.op, name,
+                                                 how.prescale, how.postscale)
+        return _register([handle], lambda: [_scale_(from_buffer(r), how.after)
+                                            for r in handle.wait()])
+    handle = _comm().grouped_allreduce_async_([as_buffer(w) for w in work], how.op, name,
+                                              how.prescale, how.postscale)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
         for t, w in zip(tensors, work):
             if w is not t:
                 t.copy_(w)
+            _scale_(t, how.after)
         return tensors
     return _register([handle], finish)
 
@@ -444,10 +593,15 @@ def _scale_of(op: ReduceOp, prescale: float, postscale: float) -> float:
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
-    """Start a reduce-scatter; the handle's output is this rank's block of dim 0."""
-    handle = _comm().reduce_scatter_async(as_buffer(tensor), parse_op(op), name,
-                                          prescale_factor, postscale_factor)
-    return _register([handle], lambda: from_buffer(handle.wait()))
+    """Start a reduce-scatter; the handle's output is this rank's block of dim 0.
+
+    Integer tensors are scaled (factors, Average's ``1/size``) in float64 and truncated
+    toward zero, as Horovod does.
+    """
+    how = _scaling([tensor], parse_op(op), prescale_factor, postscale_factor)
+    handle = _comm().reduce_scatter_async(as_buffer(how.source(tensor, inplace=False)),
+                                          how.op, name, how.prescale, how.postscale)
+    return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -479,6 +633,54 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     block = _Reducescatter.apply(compressed, name, parse_op(op), prescale_factor,
                                  postscale_factor)
     return compression.decompress(block, ctx)
+
+
+# -- grouped allgather and reducescatter -------------------------------------------
+def _member(name: str | None, index: int) -> str | None:
+    """The name of a group's ``index``-th operation (``None`` stays unnamed)."""
+    return None if name is None else f"{name}.{index}"
+
+
+def _group_handle(numbers: list[int]) -> int:
+    """One handle over the handles ``numbers``; its output is the list of theirs."""
+    with _lock:
+        ops = [_ops.pop(n) for n in numbers]
+    return _register([h for op in ops for h in op.handles], lambda: [op.finish() for op in ops])
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+    """Start an allgather of every tensor; the handle's output is the list of results.
+
+    The allgathers are submitted together (the engine runs them back to back); with
+    ``name``, the i-th is named ``f"{name}.{i}"``.
+    """
+    return _group_handle([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor],
+                      name: str | None = None) -> list[torch.Tensor]:
+    """Allgather every tensor (dim 0 may differ by rank); differentiable, as
+    :func:`allgather`."""
+    return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = Average, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Start a reduce-scatter of every tensor; the handle's output is the list of this
+    rank's blocks (see :func:`reducescatter` for the split and the integer scaling)."""
+    return _group_handle([reducescatter_async(t, _member(name, i), op, prescale_factor,
+                                              postscale_factor)
+                          for i, t in enumerate(tensors)])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: Any = Average,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatter every tensor (differentiable, as :func:`reducescatter`)."""
+    return [reducescatter(t, _member(name, i), compression, op, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
 
 
 # -- alltoall -------------------------------------------------------------------------
@@ -564,6 +766,17 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
     return output if splits is None else (output, received)
 
 
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> int:
+    """:func:`alltoall` behind a handle: ``synchronize`` returns ``(output,
+    received_splits)``, as Horovod's does.
+
+    The exchange itself runs during this call (on the adapter's own communicator), so
+    the handle is done at once; not differentiable.
+    """
+    done = _alltoall(tensor.detach(), splits)
+    return _register([], lambda: done)
+
+
 # -- synchronisation and objects ------------------------------------------------------
 def barrier() -> None:
     """Block until every rank has called :func:`barrier`."""
@@ -600,12 +813,15 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
-    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "cross_rank", "cross_size", "gloo_built", "gloo_enabled",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
+    "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size",
+    "start_timeline", "stop_timeline", "synchronize",
 ]

@@ -1,11 +1,13 @@
 """``hvd.DistributedOptimizer``: averages gradients while backward is still running.
 
 A wrapper *holding* the user's optimizer (composition, not Horovod's dynamic
-subclass): ``step()``, ``zero_grad()``, ``param_groups``, ``state``,
-``state_dict()``, ``load_state_dict()`` and every other attribute reach the wrapped
-optimizer, so scripts that do not test ``isinstance(opt, torch.optim.Optimizer)``
-run unchanged. (Give LR schedulers the wrapped optimizer, ``opt.optimizer``: they
-check that type; both objects share ``param_groups``, so the schedule applies.)
+subclass of the wrapped optimizer's class): ``step()``, ``zero_grad()``,
+``param_groups``, ``state``, ``defaults``, ``state_dict()``, ``load_state_dict()`` and
+every other attribute reach the wrapped optimizer. The wrapper is itself a
+``torch.optim.Optimizer`` (whose ``__init__`` it does not run: it has no parameters of
+its own), so LR schedulers and ``torch.amp.GradScaler`` accept it; they read and write
+the wrapped optimizer's ``param_groups``, so a schedule changes the learning rate that
+the wrapped optimizer uses.
 
 Each parameter gets a ``register_post_accumulate_grad_hook``: when autograd has
 accumulated its gradient, the hook tells the :class:`~mpitrain.trainer.GradientReducer`,
@@ -144,7 +146,7 @@ class AdasumReducer(TensorReducer):
                 g["params"] = ps
 
 
-class DistributedOptimizer(DistributedOptimizerBase):
+class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
     """Horovod's ``DistributedOptimizer``: average gradients over ranks before ``step()``.
 
     Args:
@@ -221,10 +223,27 @@ class DistributedOptimizer(DistributedOptimizerBase):
         """The wrapped optimizer's ``param_groups`` (the same list)."""
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
     @property
     def state(self) -> Any:
         """The wrapped optimizer's ``state``."""
         return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer and hook its parameters."""
@@ -301,8 +320,16 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
     """Give every rank the root's optimizer state and hyper-parameters.
 
     Works for any optimizer with ``state_dict()``/``load_state_dict()``, also when the
-    other ranks' state is still empty (state created lazily on the first step).
+    other ranks' state is still empty (state created lazily on the first step): the
+    parameters are not stepped. Where this rank's state is empty, parameters that
+    require a gradient and have none get a zero gradient, as after Horovod's call;
+    parameters that need no gradient keep ``grad=None``.
     """
+    if not optimizer.state:  # as Horovod, whose state initialisation leaves zero gradients
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     comm = session.default_communicator()
     state = broadcast_tree(optimizer.state_dict(), root=root_rank, comm=comm, kind=TENSORS,
                            name="optimizer")

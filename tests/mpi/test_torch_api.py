@@ -121,9 +121,8 @@ def test_async_poll_synchronize() -> None:
             time.sleep(0.001)
         results.append(hvd.synchronize(h))
     check(all(torch.equal(r, total()) for r in results), "async results")
-    with pytest.raises(ValueError, match="not the handle"):
-        hvd.synchronize(handles[0])
-    with pytest.raises(ValueError, match="not the handle"):
+    assert hvd.synchronize(handles[0]) is results[0]  # again: the same output, as Horovod
+    with pytest.raises(ValueError, match="not a handle"):
         hvd.poll(12345678)
     # ranks submit named operations in different orders: the names match them up
     names = [f"t{i}" for i in range(5)]
