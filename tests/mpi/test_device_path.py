@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_device import FakeDeviceArray, fake_backend, to_device
-from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, reference
+from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
 
@@ -54,7 +54,7 @@ def seed(comm: mt.Communicator, *salt: object) -> int:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allreduce(comm: mt.Communicator, policy: str, algorithm: str, dtype: str) -> None:
     assert comm.cuda_policy == policy
-    ops = list(mt.ReduceOp) if dtype == "float32" else [mt.Sum, mt.Min, mt.Average]
+    ops = ops_for(dtype) if dtype == "float32" else [mt.Sum, mt.Min, mt.Average]
     with fake_backend(seed(comm, policy, algorithm, dtype)):
         for count in counts(comm.size):
             for op in ops:
