@@ -54,6 +54,12 @@ NONAME = ".noname."
 """Names generated for unnamed calls are ``<kind>.noname.<n>`` (:func:`generated_name`)."""
 
 
+def shown(items: list[str], sep: str) -> str:
+    """The first :data:`SHOWN_NAMES` of ``items`` joined by ``sep``, and how many more."""
+    more = f"{sep}and {len(items) - SHOWN_NAMES} more" if len(items) > SHOWN_NAMES else ""
+    return sep.join(items[:SHOWN_NAMES]) + more
+
+
 def generated_name(kind: str, n: int) -> str:
     """The name of the ``n``-th unnamed call of ``kind``: ``<kind>.noname.<n>``."""
     return f"{kind}{NONAME}{n}"
@@ -220,8 +226,10 @@ class Negotiator:
                 for rank, data in enumerate(payloads):
                     self._record(rank, data)
                 self._collect(agreement)
-        if self.table and (stopped or max(h[3] for h in heads) >= 0):
-            self._abandon(agreement, max(h[3] for h in heads), stopped)
+        if self.table:
+            expire = max(h[3] for h in heads)
+            if stopped or expire >= 0:
+                self._abandon(agreement, expire, stopped)
         return agreement
 
     def _check_stalls(self, requests: Sequence[Announced]) -> int:
@@ -255,13 +263,10 @@ class Negotiator:
     def _unsubmitted(self, names: list[str], now: float) -> str:
         """Which ranks have not submitted ``names`` (table entries), and for how long
         the others have waited."""
-        parts = []
-        for name in names[:SHOWN_NAMES]:
-            missing = self.waiting_for(name)
-            parts.append(f"{name!r} ({next(iter(self.table[name].values()))}) has waited "
-                         f"{now - self.born[name][1]:.0f} s for rank(s) {missing}")
-        more = f"; and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
-        return ("async operations submitted by some ranks only: " + "; ".join(parts) + more
+        parts = [f"{name!r} ({next(iter(self.table[name].values()))}) has waited "
+                 f"{now - self.born[name][1]:.0f} s for rank(s) {self.waiting_for(name)}"
+                 for name in names]
+        return ("async operations submitted by some ranks only: " + shown(parts, "; ")
                 + " (check that every rank submits the same names, or whether those "
                   "ranks are only slow)")
 
@@ -452,6 +457,4 @@ class Negotiator:
             return ""
         if not names:
             return " (this rank has no operation pending: it is stopping)"
-        more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
-        return (" (this rank has submitted " + ", ".join(repr(n) for n in names[:SHOWN_NAMES])
-                + more + ")")
+        return " (this rank has submitted " + shown([repr(n) for n in names], ", ") + ")"

@@ -29,19 +29,25 @@ def test_uncaught_exception_aborts_the_job(tmp_path: Path, where: str) -> None:
         assert "in thread 'loader'" in result.out
 
 
-@pytest.mark.parametrize("code", [0, 3])
-@pytest.mark.parametrize("shm", ["1", "0"])
-def test_a_rank_that_exits_early_aborts_the_job(tmp_path: Path, code: int, shm: str) -> None:
+@pytest.mark.parametrize(("code", "shm", "calls"), [
+    (0, "1", "blocking"), (3, "1", "blocking"), (0, "0", "blocking"), (3, "0", "blocking"),
+    (3, "1", "async"), (3, "0", "async")])
+def test_a_rank_that_exits_early_aborts_the_job(tmp_path: Path, code: int, shm: str,
+                                                calls: str) -> None:
     """``sys.exit`` on one rank while the others wait in a collective (through shared
-    memory or MPI): the exit guard names it and ends the job."""
+    memory or MPI), or in ``handle.wait()`` of an async call (the async engine's
+    exchange, for a name the leaving rank never submitted): the exit guard names it and
+    ends the job."""
     args = [str(JOBS / "crash.py"), str(tmp_path), "1", "exit", str(code)]
+    args += ["async"] if calls == "async" else []
     result = run(mpirun(3, args, MPITRAIN_SHM=shm), TIMEOUT_S)
     ended = time.time()
     assert result.rc not in (0, -1), result.out
     exited = float((tmp_path / "raised").read_text())
     assert ended - exited < ENDS_WITHIN_S, f"the job took {ended - exited:.1f} s to end"
     assert "mpitrain: rank 1 is exiting after collective #" in result.out
-    assert "waits in allreduce" in result.out
+    waits = "the async engine's exchange" if calls == "async" else "allreduce"
+    assert f"waits in {waits}" in result.out
     assert "finished all steps" not in result.out
 
 

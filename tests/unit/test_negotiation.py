@@ -101,3 +101,42 @@ def test_only_generated_names_go_unnumbered() -> None:
     assert neg.known == [("allreduce.noname.0.3", a.signature)]
     neg.remember("allreduce.noname.1", a.signature)
     assert len(neg.known) == 1
+
+
+def test_stalled_names_are_reported_then_given_up(caplog: Any) -> None:
+    """A name some ranks announced and others did not: warned past the warning (naming
+    the missing ranks), proposed for giving up past the timeout, and given up (with
+    the entries a stopping rank never announced) by :meth:`Negotiator._abandon`."""
+    import logging
+    import time
+
+    from mpitrain.engine.negotiation import Agreement
+
+    neg = negotiator()
+    neg.size, neg.warning_s, neg.timeout_s = 3, 1.0, 5.0
+    a = Spec("allreduce sum float32[4]")
+    neg.cycle = 7
+    neg._record(0, memoryview(pickle.dumps([("old", a.signature)])))
+    neg.cycle = 9
+    neg._record(1, memoryview(pickle.dumps([("new", a.signature)])))
+    neg._record(2, memoryview(pickle.dumps([("new", a.signature)])))
+    now = time.monotonic()
+    neg.born["old"] = (7, now - 6.0)  # past the timeout
+    neg.born["new"] = (9, now - 2.0)  # past the warning only
+    with caplog.at_level(logging.WARNING, logger="mpitrain"):
+        expire = neg._check_stalls([])
+    assert expire == 7
+    (record,) = caplog.records
+    assert "'old' (allreduce sum float32[4]) has waited 6 s for rank(s) [1, 2]" in record.message
+    assert "'new' (allreduce sum float32[4]) has waited 2 s for rank(s) [0]" in record.message
+    assert neg._check_stalls([]) == -1  # looked at most once a second
+    agreement = Agreement([], {}, False, False, 0)
+    neg._abandon(agreement, expire, stopped=[])
+    assert list(agreement.abandoned) == ["old"] and agreement.stalled == {"old"}
+    assert "rank(s) [1, 2], which did not submit it" in agreement.abandoned["old"]
+    assert list(neg.table) == ["new"] and list(neg.born) == ["new"]
+    agreement = Agreement([], {}, False, False, 0)
+    neg._abandon(agreement, -1, stopped=[0])  # rank 0 stops without announcing 'new'
+    assert agreement.stalled == set()
+    assert "rank(s) [0] stopped their async engine" in agreement.abandoned["new"]
+    assert not neg.table and not neg.born and not neg.warned

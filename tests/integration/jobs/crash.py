@@ -1,10 +1,10 @@
 """A rank that dies of an uncaught exception, or exits, while the others are in collectives.
 
-Usage: crash.py OUT_DIR RANK [thread | exit CODE]
+Usage: crash.py OUT_DIR RANK [thread | exit CODE [async]]
 
 RANK raises ValueError at step 5 (in a thread of its own with ``thread``; with ``exit``
 it calls ``sys.exit(CODE)`` instead), after writing the time to ``OUT_DIR/raised``;
-every rank reduces every 10 ms meanwhile.
+every rank reduces every 10 ms meanwhile (through the async engine with ``async``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     out, victim = sys.argv[1], int(sys.argv[2])
     in_thread = sys.argv[3:4] == ["thread"]
     exit_code = int(sys.argv[4]) if sys.argv[3:4] == ["exit"] else None
+    in_engine = sys.argv[5:6] == ["async"]
     comm = mt.init()
     x = np.ones(100)
     for step in range(3000):
@@ -41,7 +42,10 @@ def main() -> None:
                 worker.join()
             else:
                 fail(step)
-        comm.allreduce(x)
+        if in_engine:
+            comm.allreduce_async(x, name="grad").wait()
+        else:
+            comm.allreduce(x)
         time.sleep(0.01)
     print(f"rank {comm.rank} finished all steps", flush=True)
 
