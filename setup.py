@@ -28,12 +28,18 @@ MANIFEST = "_compiled.py"
 package checks at import so that an extension older than its source is never run."""
 HOSTCOPY = Path("mpitrain/backends/_hostcopy.c")
 MODE = os.environ.get("MPITRAIN_COMPILE", "")
+METADATA_ONLY = {"egg_info", "dist_info", "sdist"}
+"""Commands that only describe the package (pip's first steps): they skip mypyc."""
 
 
-def fall_back(reason: str) -> None:
-    """Say, in one line of the build log, that the package is built without compiling."""
-    print(f"mpitrain: building the pure-Python package ({reason}); the engine runs its "
-          f"sources and host copies go through numpy", file=sys.stderr, flush=True)
+def fall_back(reason: str, engine_only: bool = False) -> None:
+    """Say, in one line of the build log, what the package is built without and why."""
+    if engine_only:
+        print(f"mpitrain: building without the compiled engine core ({reason}); the "
+              f"engine runs its sources", file=sys.stderr, flush=True)
+    else:
+        print(f"mpitrain: building the pure-Python package ({reason}); the engine runs "
+              f"its sources and host copies go through numpy", file=sys.stderr, flush=True)
 
 
 def hostcopy_extension() -> Extension:
@@ -52,10 +58,13 @@ class BuildCompiled(build_ext):
 
     def finalize_options(self) -> None:
         """Put mypyc's extensions first (mypyc type-checks and writes C here, so only
-        a build pays for it, not reading the metadata)."""
-        if self.distribution.ext_modules and not any(
-                e.name.startswith("mpitrain.engine.") for e in self.distribution.ext_modules):
-            self.distribution.ext_modules[:0] = engine_extensions()
+        a build pays for it, not reading the metadata), and compile even what an earlier
+        build left in build/: this build's compiler (or its absence) decides."""
+        modules = self.distribution.ext_modules
+        if (modules and not set(self.distribution.commands) <= METADATA_ONLY
+                and not any(e.name.startswith("mpitrain.engine.") for e in modules)):
+            modules[:0] = engine_extensions()
+        self.force = True
         super().finalize_options()
 
     def run(self) -> None:
@@ -82,17 +91,23 @@ class BuildCompiled(build_ext):
 
 
 def engine_extensions() -> list[Extension]:
-    """mypyc's extensions for ``COMPILED`` (none, said in the log, without mypy)."""
+    """mypyc's extensions for ``COMPILED`` (none, said in the log, without mypy or when
+    mypyc fails, unless ``MPITRAIN_COMPILE=1``)."""
     try:
         from mypyc.build import mypycify
     except ImportError:
         if MODE == "1":
             raise SystemExit("MPITRAIN_COMPILE=1 needs mypy (pip install mypy) to compile "
                              "the engine core") from None
-        fall_back("mypy, which compiles the engine core, is not installed")
+        fall_back("mypy, which compiles it, is not installed", engine_only=True)
         return []
-    # the shared library goes into the package (group name), beside the modules
-    return mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core")
+    try:  # the shared library goes into the package (group name), beside the modules
+        return mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core")
+    except SystemExit:  # mypy's errors are above in the log
+        if MODE == "1":
+            raise
+        fall_back("mypyc cannot compile it: see mypy's errors above", engine_only=True)
+        return []
 
 
 if MODE not in ("", "0", "1"):
