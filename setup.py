@@ -68,19 +68,23 @@ class BuildCompiled(build_ext):
         super().finalize_options()
 
     def run(self) -> None:
-        """Build every extension, or (compiling failed) none."""
+        """Build every extension, or (compiling failed) none: an in-place build leaves
+        the source tree as it was."""
+        in_place = self.inplace
         manifest = Path(self.get_ext_fullpath("mpitrain.engine.engine")).with_name(MANIFEST)
         try:
             super().run()
         except (CCompilerError, ExecError, PlatformError) as exc:
             if MODE == "1":
                 raise
+            self.inplace = False  # what this build wrote: in build/
             for ext in self.extensions:
                 Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-            if not (self.inplace or self.editable_mode):
+            if not in_place:
                 manifest.unlink(missing_ok=True)  # a copy of a stale one from the sources
             self.extensions = []
-            fall_back(f"compiling failed: {exc}")
+            fall_back(f"compiling failed: {exc}" + (
+                "; extensions built in place before are left as they are" if in_place else ""))
             return
         if any(e.name.startswith("mpitrain.engine.") for e in self.extensions):
             digests = {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest()
