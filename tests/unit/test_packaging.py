@@ -1,5 +1,5 @@
 """pyproject.toml against the tree: the packages a wheel holds, the console scripts, the
-one version and the mypy that compiles the engine core (tests/integration/test_packaging.py
+one version and the mypy that compiles the engine core (tests/integration/test_wheel.py
 builds and installs the wheel)."""
 
 from __future__ import annotations
