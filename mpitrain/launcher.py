@@ -15,9 +15,11 @@
   ``PYTHONPATH`` that are set here, and horovodrun's flags (``--fusion-threshold-mb``,
   ``--cycle-time-ms``, ``--timeline-filename``, ``--log-level``) as ``MPITRAIN_*``;
 * ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
-  this Python interpreter; every rank first runs :mod:`mpitrain.run_rank`, which sets
-  torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-  (``MASTER_ADDR``/``MASTER_PORT`` are exported: the first host, a free port);
+  this Python interpreter, and a command installed next to it (a console script such as
+  ``mpitrain-bench``) runs from there, whether its environment is activated or not;
+  every rank first runs :mod:`mpitrain.run_rank`, which sets torchrun's ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (``MASTER_ADDR`` and
+  ``MASTER_PORT`` are exported: the first host, a free port);
 * ``--elastic`` runs under ULFM (``--with-ft ulfm``) with ``MPITRAIN_ELASTIC=1``: a rank
   that dies lets the others go on (:mod:`mpitrain.elastic`);
 * ``--max-restarts K`` relaunches a failed job up to K times with ``MPITRAIN_RESTART``
@@ -203,12 +205,17 @@ def user_sets_mca(job: Job, parameter: str) -> bool:
 
 def rank_command(command: list[str]) -> list[str]:
     """What each rank runs: :data:`RANK_WRAPPER`, then ``command`` with ``python`` (or a
-    leading ``.py`` file's interpreter) made this interpreter."""
+    leading ``.py`` file's interpreter) made this interpreter, and a command found next
+    to this interpreter (a console script of its environment) named by its path."""
     command = list(command)
-    if command and command[0] in PYTHON_NAMES:
+    first = command[0] if command else ""
+    beside = Path(sys.executable).parent / first
+    if first in PYTHON_NAMES:
         command[0] = sys.executable
-    elif command and command[0].endswith(".py"):
+    elif first.endswith(".py"):
         command.insert(0, sys.executable)
+    elif first and "/" not in first and beside.is_file() and os.access(beside, os.X_OK):
+        command[0] = str(beside)  # e.g. mpitrain-bench
     return [sys.executable, "-I", str(RANK_WRAPPER), *command]
 
 

@@ -6,8 +6,8 @@ back out of them (:meth:`~.numpy_backend.NumpyBackend.pack_into`,
 call per array for the scatter and about half a microsecond per array inside
 ``concatenate`` for the gather: for arrays of 10 KiB, more than the copy itself. The C
 extension ``_hostcopy`` (``_hostcopy.c`` beside this file, built with the compiled
-engine core: ``MPITRAIN_COMPILE=1``, which ``make`` sets) copies every array of the
-list with one ``memmove`` each, in one call.
+engine core by ``pip install``, ``pip wheel`` and ``make``: setup.py) copies every array
+of the list with one ``memmove`` each, in one call.
 
 :func:`gather` and :func:`scatter` return ``False`` without copying when the extension
 is not built, or when the buffers cannot be copied byte for byte (one is not

@@ -12,7 +12,7 @@ from mpitrain.backends import NUMPY, hostcopy
 from mpitrain.dtypes import SUPPORTED_DTYPES
 
 built = pytest.mark.skipif(not hostcopy.compiled(), reason="the _hostcopy extension is not "
-                                                           "built (MPITRAIN_COMPILE=1)")
+                                                           "built (setup.py)")
 
 
 def _values(lo: int, hi: int, dtype: Any) -> np.ndarray:

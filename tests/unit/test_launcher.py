@@ -152,6 +152,25 @@ def test_python_scripts_and_modules_run_under_this_interpreter(
     assert flags[:3] == [openmpi, "-np", "2"] and "A" in exported(flags)
 
 
+def test_console_scripts_of_this_environment_run_from_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed ``mpitrain-bench`` is found next to the interpreter even when its
+    environment's bin folder is not on the ranks' PATH."""
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "folder").mkdir(parents=True)
+    python = bin_dir / "python3"
+    for name in ("python3", "mpitrain-bench"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "notes").write_text("not a program\n")
+    monkeypatch.setattr(sys, "executable", str(python))
+    wrapper = [str(python), "-I", str(launcher.RANK_WRAPPER)]
+    assert launcher.rank_command(["mpitrain-bench", "allreduce", "-n", "2"]) == \
+        [*wrapper, str(bin_dir / "mpitrain-bench"), "allreduce", "-n", "2"]
+    for other in (["notes"], ["folder"], ["hostname"], ["./mpitrain-bench"], []):
+        assert launcher.rank_command(other) == [*wrapper, *other]
+    assert launcher.rank_command(["python3", "x.py"]) == [*wrapper, str(python), "x.py"]
+
 def test_quiet_osc_unless_the_user_sets_it(openmpi: str, clean_env: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     def flags(*args: str) -> list[str]:
@@ -281,7 +300,3 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
 
-
-def test_console_script_is_declared() -> None:
-    setup = (ROOT / "setup.py").read_text()
-    assert '"mpitrain-run = mpitrain.launcher:main"' in setup
