@@ -29,6 +29,7 @@ from ..communicator import Communicator
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
+from .sparse import start_sparse_allreduce
 from .tensors import as_buffer, from_buffer
 
 Average = ReduceOp.AVERAGE
@@ -505,6 +506,20 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
+# -- sparse allreduce -------------------------------------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: Any = Average) -> int:
+    """Start an allreduce of a sparse COO tensor: every rank's indices and values are
+    allgathered (:mod:`.sparse`); returns a handle whose :func:`synchronize` gives the
+    coalesced sparse sum, its values divided by the rank count for ``op=Average``.
+
+    The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
+    and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
+    """
+    handles, finish = start_sparse_allreduce(_comm(), tensor, name, op)
+    return _register(handles, finish)
+
+
 # -- allgather, broadcast, reducescatter ----------------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
     """Start an allgather (concatenation along dim 0); returns a handle."""
@@ -823,5 +838,5 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size",
-    "start_timeline", "stop_timeline", "synchronize",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]
