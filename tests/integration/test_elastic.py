@@ -96,3 +96,25 @@ def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:
         log = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [r["step"] for r in log["resumed"]] == [16] and log["size"] == 3
         np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["os_exit", "return"])
+def test_a_rank_that_leaves_without_an_exception_is_a_rank_failure(tmp_path: Path,
+                                                                   how: str) -> None:
+    """``os._exit(1)`` (no Python hook runs: its supervisor, run_rank, turns the exit into
+    a death by signal) and a return from the script while the others still train (the
+    exit guard sees them wait for it): the others recover and finish."""
+    flag = ["--os-exit-at", "2", "10", "1"] if how == "os_exit" else ["--return-at", "2", "10"]
+    result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), *flag])), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    if how == "os_exit":
+        assert "rank 2 (pid" in result.out and "exited with code 1" in result.out
+    else:
+        assert "mpitrain: rank 2 is exiting after collective #" in result.out
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in (0, 1, 3):
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["step"] for r in log["resumed"]] == [10] and log["size"] == 3
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+    assert not (tmp_path / "rank2.json").exists()
