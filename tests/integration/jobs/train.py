@@ -9,9 +9,9 @@ over however many ranks there are, so the trajectory does not depend on the rank
 count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
 waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
 STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0); ``--exit-at``:
-that rank calls ``sys.exit(CODE)`` there instead, ``--os-exit-at`` ``os._exit(CODE)``
-(after writing the time to ``OUT_DIR/exited``), and ``--return-at`` leaves the
-training function and the script there (every rank that reaches a step after a
+that rank calls ``sys.exit(CODE)`` there instead, ``--os-exit-at`` ``os._exit(CODE)``,
+and ``--return-at`` leaves the training function and the script there (both after
+writing the time to ``OUT_DIR/exited``) (every rank that reaches a step after a
 recovery appends the time to ``OUT_DIR/recovered<r>``). ``--async``
 reduces through the async engine (``allreduce_async``). Each rank
 that finishes writes ``OUT_DIR/rank<r>.json``: the step it started from, the states it
@@ -86,6 +86,8 @@ def main() -> None:
                     f.write(repr(time.time()))
                 os._exit(args.os_exit_at[2])
             if (first_rank, state.step) == tuple(args.return_at) and attempt == 0:
+                with open(os.path.join(args.out, "exited"), "w") as f:
+                    f.write(repr(time.time()))
                 log["returned"] = True
                 return
             lo = state.step * BATCH
