@@ -181,6 +181,9 @@ ABORT_ON_EXCEPTION = Setting("MPITRAIN_ABORT_ON_EXCEPTION", _parse_bool, True,
 ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
                   "The job runs under ULFM (mpitrain-run --elastic): a failing rank kills "
                   "itself by signal so that the survivors are notified.")
+SUPERVISOR_FD = Setting("MPITRAIN_SUPERVISOR_FD", int, -1,
+                        "Set by mpitrain-run --elastic on every rank: the pipe to the rank's "
+                        "supervisor, which turns an early exit into a rank failure.")
 MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
                   "mpiexec used by mpitrain-run (default: next to python, then PATH).")
 

@@ -18,6 +18,7 @@ collectives).
 from __future__ import annotations
 
 from ..trainer.compression import Compression, Compressor
+from . import elastic
 from .checkpoint import load_checkpoint, load_latest_checkpoint, save_checkpoint
 from .mpi_ops import *  # noqa: F403  (the names of mpi_ops.__all__)
 from .mpi_ops import __all__ as _ops_names
@@ -26,6 +27,7 @@ from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     *_ops_names, "Compression", "Compressor", "DistributedOptimizer", "broadcast_optimizer_state",
+    "elastic",
     "broadcast_parameters", "load_checkpoint", "load_latest_checkpoint", "save_checkpoint",
     "SyncBatchNorm",
 ]

@@ -178,6 +178,11 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         self._hooked: set[int] = set()
         self._build()
 
+    def rebind(self) -> None:
+        """Rebuild the gradient reducer over the default communicator as it is now (after
+        an elastic reset changed it); allreduces in flight on the old one are dropped."""
+        self._build()
+
     def _build(self) -> None:
         """(Re)build the reducer over the optimizer's parameters and hook new ones."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

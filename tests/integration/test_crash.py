@@ -51,6 +51,20 @@ def test_a_rank_that_exits_early_aborts_the_job(tmp_path: Path, code: int, shm: 
     assert "finished all steps" not in result.out
 
 
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_rank_that_calls_os_exit_ends_the_job(tmp_path: Path, code: int) -> None:
+    """``os._exit()`` runs no hook: the MPI runtime itself sees a rank end without
+    ``MPI_Finalize`` and ends the job, naming the rank."""
+    result = run(mpirun(3, [str(JOBS / "crash.py"), str(tmp_path), "1", "os_exit",
+                            str(code)]), TIMEOUT_S)
+    ended = time.time()
+    assert result.rc not in (0, -1), result.out
+    exited = float((tmp_path / "raised").read_text())
+    assert ended - exited < ENDS_WITHIN_S, f"the job took {ended - exited:.1f} s to end"
+    assert "process rank 1 " in result.out or "@1,1]" in result.out, result.out
+    assert "finished all steps" not in result.out
+
+
 def test_ranks_that_finish_at_different_times_exit_normally() -> None:
     """The exit guard waits for ranks that are still computing: no false abort."""
     result = run(mpirun(3, [str(JOBS / "uneven_exit.py")]), TIMEOUT_S)

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from jobrun import FLAGS, MPIRUN, ROOT, launcher, run
 
-PAGES = ["README.md", "docs/from-horovod.md", "docs/getting-started.md", "docs/collectives.md"]
+PAGES = ["README.md", "docs/from-horovod.md", "docs/getting-started.md", "docs/collectives.md",
+         "docs/elastic.md"]
 RANKS = 2
 TIMEOUT_S = 240
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
