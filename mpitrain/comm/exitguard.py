@@ -49,6 +49,9 @@ POLL_S = 0.05
 """How often the exit barrier is tested."""
 SURVEY_EVERY_S = 0.5
 """How often the other ranks are surveyed while the barrier is not complete."""
+BARRIER_GRACE_S = 1.0
+"""How long the barrier may take to complete once peers are seen waiting, before the
+guard concludes that they wait for this rank."""
 
 INITIALISED, CLEAN_EXIT = b"I", b"C"
 """What the guard tells a rank's supervisor (the same bytes as :mod:`mpitrain.run_rank`)."""
@@ -125,9 +128,26 @@ def _exit_barrier(comm: MPI.Intracomm) -> None:
         for inspector in live_inspectors():
             peers = inspector.survey()
             waiting = stranded(inspector.transport, peers or [])
-            if waiting:
+            if waiting and not _completes(barrier):
                 _abort(inspector.transport, waiting)
         next_survey = time.monotonic() + SURVEY_EVERY_S
+
+
+def _completes(barrier: MPI.Request) -> bool:
+    """Whether the exit barrier completes within ``BARRIER_GRACE_S``.
+
+    A peer seen waiting may have left the barrier already: its completion there means
+    every rank has entered it, and what the peer waits in is then what comes after the
+    exit hook (stopping the async engines, collective on every rank). This rank's side
+    of the barrier completes as soon as it is tested; a peer stranded by this rank's
+    exit never enters the barrier, so it does not complete.
+    """
+    deadline = time.monotonic() + BARRIER_GRACE_S
+    while time.monotonic() < deadline:
+        if barrier.Test():
+            return True
+        time.sleep(POLL_S)
+    return bool(barrier.Test())
 
 
 def _abort(transport: Watched, waiting: list[PeerState]) -> None:
