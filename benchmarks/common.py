@@ -1,12 +1,13 @@
-"""What the benchmarks share: the collective harness (:mod:`.harness`) and the fusion case
-(:mod:`.fusion`) both build on it, and it imports neither.
+"""What the benchmarks share: the collective harness (:mod:`.harness`), the fusion case
+(:mod:`.fusion`) and the training case (:mod:`.train`) build on it, and it imports none.
 
 * the dtypes ``-d`` takes (:data:`DTYPES`, :data:`DTYPE_ALIASES`);
 * byte sizes: :func:`parse_size`, :func:`format_size`, :func:`size_series`;
 * :class:`OneRankParser`, an argument parser that prints on rank 0 only;
 * interleaved timing (:func:`time_calls`, :data:`MIN_ITERS`) and exact verification
   (:func:`count_wrong`);
-* what makes a run reproducible: :func:`command_line`, :func:`machine_info`.
+* what makes a run reproducible: :func:`command_line`, :func:`machine_info` (with
+  :func:`idle_wait`: whether the ranks busy-poll or yield).
 """
 
 from __future__ import annotations
@@ -166,6 +167,14 @@ def command_line(argv: Sequence[str], nranks: int) -> str:
     return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
 
 
+def idle_wait() -> str:
+    """How ranks wait for messages: ``yield`` where Open MPI was told to
+    (``--mca mpi_yield_when_idle 1``, which it passes to every rank as
+    ``OMPI_MCA_mpi_yield_when_idle``), else ``busy-poll``, MPI's default."""
+    yielding = os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"  # noqa: SIM112 (its name)
+    return "yield" if yielding else "busy-poll"
+
+
 def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
     """Where the run happened (collective: gathers every rank's host name)."""
     hosts = sorted(set(world.allgather(socket.gethostname())))
@@ -180,5 +189,6 @@ def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
         "mpitrain": mt.__version__,
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "idle_wait": idle_wait(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
