@@ -159,12 +159,20 @@ def count_wrong(call: Call, expected: Array,
 
 
 # -- reproducibility ------------------------------------------------------------------
+YIELD_MCA = ("mpi_yield_when_idle", "threads_pthreads_yield_strategy")
+"""Open MPI's settings that make waiting ranks yield, shown in :func:`command_line`."""
+
+
 def command_line(argv: Sequence[str], nranks: int) -> str:
     """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
-    saw (glibc's malloc thresholds change native MPI's large-message times)."""
+    saw (glibc's malloc thresholds change native MPI's large-message times) and Open
+    MPI's yield settings where they were given (:data:`YIELD_MCA`)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if k.startswith(("MPITRAIN_", "MALLOC_"))]
-    return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
+    mca = [f"--mca {name} {shlex.quote(os.environ[f'OMPI_MCA_{name}'])}" for name in YIELD_MCA
+           if f"OMPI_MCA_{name}" in os.environ]
+    return " ".join([*env, "mpirun", *mca, f"-np {nranks} python -m benchmarks",
+                     shlex.join(argv)])
 
 
 def idle_wait() -> str:

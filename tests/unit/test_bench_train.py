@@ -101,3 +101,17 @@ def test_options_default_to_both_models_without_compression() -> None:
     opts = train.parse_args([])
     assert opts.models == ["mlp", "convnet"] and opts.compression == "none"
     assert train.parse_args(["--fp16", "--model", "convnet"]).compression == "fp16"
+
+
+def test_command_line_shows_how_idle_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    for name in common.YIELD_MCA:
+        monkeypatch.delenv(f"OMPI_MCA_{name}", raising=False)
+    monkeypatch.delenv("MPITRAIN_CHECK", raising=False)
+    assert common.command_line(["train"], 2).endswith("mpirun -np 2 python -m benchmarks train")
+    assert common.idle_wait() == "busy-poll"
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
+    assert "mpirun --mca mpi_yield_when_idle 1 -np 4 python -m benchmarks train" \
+        in common.command_line(["train"], 4)
+    assert common.idle_wait() == "yield"
