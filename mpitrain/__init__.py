@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         grouped_allreduce_async,
         init,
         is_initialized,
+        join,
         local_rank,
         local_size,
         poll,
@@ -78,7 +79,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                 "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_",
                 "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
                 "default_communicator", "grouped_allreduce", "grouped_allreduce_async", "init",
-                "is_initialized", "local_rank", "local_size", "poll", "rank", "reduce_scatter",
+                "is_initialized", "join", "local_rank", "local_size", "poll", "rank",
+                "reduce_scatter",
                 "reduce_scatter_async", "shutdown", "size", "synchronize"),
     "timeline": ("start_timeline", "stop_timeline"),
 }
@@ -97,7 +99,7 @@ __all__ = [
 ]
 __all__ += [
     "EngineStats", "Handle", "allgather_async", "allreduce_async", "allreduce_async_",
-    "broadcast_async_", "grouped_allreduce", "grouped_allreduce_async", "poll",
+    "broadcast_async_", "grouped_allreduce", "grouped_allreduce_async", "join", "poll",
     "reduce_scatter_async", "start_timeline", "stop_timeline", "synchronize",
 ]
 

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from .comm.topology import Topology
 from .dispatch import Dispatcher, device_policy
 from .engine import Engine, EngineStats, Handle
+from .errors import CommunicationError
 from .ops import ReduceOp
 
 Array = Any
@@ -130,6 +131,8 @@ class Communicator:
             A new array (or ``out``) with the reduction; a CuPy array on ``x``'s device
             for device input.
         """
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("allreduce")
         return self.dispatcher.allreduce(x, op, algorithm, prescale_factor, postscale_factor,
                                          out, name, stream=stream)
 
@@ -142,6 +145,8 @@ class Communicator:
         A non-contiguous ``x`` is reduced through a contiguous copy written back. A
         torch CUDA tensor is written in place through a zero-copy CuPy view.
         """
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("allreduce_")
         return self.dispatcher.allreduce_(x, op, algorithm, prescale_factor, postscale_factor,
                                           name, stream=stream)
 
@@ -164,6 +169,8 @@ class Communicator:
         Returns:
             ``out``, or a new array of shape ``(rows of this rank,) + x.shape[1:]``.
         """
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("reduce_scatter")
         return self.dispatcher.reduce_scatter(x, op, algorithm, prescale_factor,
                                               postscale_factor, name, out=out, stream=stream)
 
@@ -181,6 +188,8 @@ class Communicator:
         Returns:
             ``out``, or a new array of shape ``(sum of every rank's rows,) + x.shape[1:]``.
         """
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("allgather")
         return self.dispatcher.allgather(x, algorithm, name, out=out, stream=stream)
 
     def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None,
@@ -190,24 +199,56 @@ class Communicator:
         On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
         is as for :meth:`allreduce`.
         """
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("broadcast")
         return self.dispatcher.broadcast(x, root, algorithm, name, stream=stream)
 
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
                    name: str | None = None, *, stream: Any = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("broadcast_")
         return self.dispatcher.broadcast_(x, root, algorithm, name, stream=stream)
 
     def barrier(self) -> None:
         """Block until every rank has called :meth:`barrier`."""
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("barrier")
         self.dispatcher.barrier()
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("broadcast_object")
         return self.dispatcher.broadcast_object(obj, root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's ``obj``, in rank order."""
+        if self._engine is not None and self._engine.joined:
+            self._joined_error("allgather_object")
         return self.dispatcher.allgather_object(obj)
+
+    def _joined_error(self, what: str) -> None:
+        """Refuse a blocking collective while some rank is in :meth:`join`: a rank in
+        ``join()`` serves only async operations, so the call could never finish."""
+        engine = self.engine()
+        raise CommunicationError(
+            f"rank {self.rank}: blocking {what} called while rank(s) {engine.joined} are in "
+            "join(), where they take part in async operations only; use the async variant "
+            f"({what.rstrip('_')}_async, then wait()), or call it after join() returns")
+
+    def join(self) -> int:
+        """Wait until every rank has called ``join()``; return the rank that joined last.
+
+        For uneven data: a rank that runs out of batches calls ``join()`` and, until
+        every rank has, takes part in the async operations the other ranks submit
+        (contributing the op's identity to reductions, no rows to allgathers).
+        Collective; starts the async engine if need be.
+
+        Raises:
+            CommunicationError: a rank ended without joining, or the engine failed.
+        """
+        return self.engine().join()
 
     # -- asynchronous collectives ------------------------------------------------------
     def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, name: str | None = None,

@@ -216,6 +216,12 @@ def synchronize(handle: Handle) -> Any:
     return handle.wait()
 
 
+def join() -> int:
+    """:meth:`Communicator.join` on the default communicator: wait for every rank to join,
+    serving their async operations meanwhile; returns the rank that joined last."""
+    return default_communicator().join()
+
+
 def poll(handle: Handle) -> bool:
     """True once an async operation is done; never blocks (``handle.test()``)."""
     return handle.test()

@@ -39,6 +39,19 @@ def _device_backend(obj: object) -> ArrayBackend:
     return CUPY
 
 
+def backend_named(name: str) -> ArrayBackend:
+    """The backend called ``name`` (``ArrayBackend.name``): numpy, or CuPy (imported and
+    registered if need be); raises :class:`~mpitrain.DtypeError` for any other name."""
+    for backend in (NUMPY, *_BACKENDS):
+        if backend.name == name:
+            return backend
+    device = _device_backend(name)
+    if device.name != name:
+        raise DtypeError(f"no array backend is called {name!r}; the backends are "
+                         f"{NUMPY.name!r} and {device.name!r}")
+    return device
+
+
 def backend_for(obj: object) -> ArrayBackend:
     """The backend that owns ``obj``; raises :class:`~mpitrain.DtypeError` if none does."""
     for backend in _BACKENDS:
@@ -62,5 +75,5 @@ def backend_and_array(x: Any) -> tuple[ArrayBackend, Array]:
     return be, be.asarray(x)
 
 
-__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_and_array", "backend_for",
+__all__ = ["NUMPY", "Array", "ArrayBackend", "backend_and_array", "backend_for", "backend_named",
            "is_device_array", "register"]

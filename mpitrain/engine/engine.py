@@ -50,12 +50,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import config, timeline
-from ..backends import NUMPY, ArrayBackend, backend_and_array
+from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_named
 from ..comm.inspector import StallLimits
 from ..dispatch import Dispatcher
 from ..dtypes import check_dtype
 from ..errors import ArgumentError, CommunicationError, MismatchError, StallError
-from ..ops import parse_op
+from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import NONAME, Agreement, Negotiator, Signatures
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all
@@ -64,6 +64,13 @@ _SPEC_CACHE_SIZE = 4096
 REFUSED = "refused"
 """The kind of a request that announces a submission refused on its rank
 (:meth:`Engine._refused`); its signature, which names the rank, never matches."""
+JOIN = "join"
+"""The kind (and name) of the handle a caller of :meth:`Engine.join` waits on."""
+Blueprint = tuple[str, str, float, float, Any, int, bool, bool, str,
+                  list[tuple[Any, tuple[int | None, ...]]]]
+"""What a rank in ``join()`` needs to stand in for a request it never submitted: kind,
+op, prescale, postscale, algorithm, root, inplace, grouped, backend name and the
+(dtype, shape) of each array."""
 EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
@@ -131,6 +138,9 @@ class Engine:
         self._closed: str | None = None  # why new submissions are refused
         self._pending: dict[str, Request] = {}  # progress thread only
         self._running: list[Request] = []  # this cycle's submissions (progress thread only)
+        self._join: Request | None = None  # the handle of this rank's join() in progress
+        self.joined: list[int] = []
+        """The ranks in ``join()`` as of this rank's last cycle."""
         self._finished = False
         self._freed = False
         self._worker = threading.Thread(target=self._loop, daemon=True,
@@ -362,6 +372,11 @@ class Engine:
         with self._lock:
             if self._closed is not None:
                 self._check_open()
+            if self._join is not None:
+                raise ArgumentError(
+                    f"rank {self.rank}: cannot submit {request.name!r}: this rank is in "
+                    "join(), which lets no new operation in until every rank has joined; "
+                    "submit it before join() or after it returns")
             if name is not None and name in self._in_flight:
                 raise ArgumentError(
                     f"rank {self.rank}: an async operation named {name!r} is already in "
@@ -383,6 +398,34 @@ class Engine:
                                      f"engine {self._closed}")
 
     # -- control ----------------------------------------------------------------------
+    def join(self) -> int:
+        """Wait until every rank has called ``join()``, serving the other ranks'
+        operations meanwhile, and return the rank that joined last (the same on every
+        rank; of ranks that joined in the same cycle, the highest).
+
+        While this rank is in ``join()``, an operation that every other rank not in
+        ``join()`` has submitted runs with this rank taking part with stand-in arrays:
+        the identity of the op for reductions (zeros for Sum and Average, which still
+        divides by the full size), no rows for an allgather, a receive buffer for a
+        broadcast; a broadcast from a root in ``join()`` fails on the ranks that
+        submitted it.
+
+        Raises:
+            ArgumentError: another thread of this rank is already in ``join()``.
+            CommunicationError: a rank stopped its engine without joining, or the
+                engine failed.
+        """
+        handle = Request(JOIN, Spec(JOIN, JOIN, NUMPY, None, None), None, None,
+                         self._waiters, -1, None, [])
+        with self._cond:
+            self._check_open()
+            if self._join is not None:
+                raise ArgumentError(f"rank {self.rank}: join() is already in progress on "
+                                    "another thread of this rank")
+            self._join = handle
+            self._wake()
+        return int(handle.wait())
+
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the engine (collective): finish or fail what is in flight, end the thread.
 
@@ -434,7 +477,8 @@ class Engine:
                 tl.flush()
 
     def _has_work(self) -> bool:
-        return bool(self._incoming or self._pending) or self._stopping
+        return bool(self._incoming or self._pending) or self._stopping \
+            or self._join is not None
 
     def _wake(self) -> None:
         """Wake the progress thread if it sleeps (hold ``_cond``)."""
@@ -480,13 +524,17 @@ class Engine:
         with self._cond:
             incoming, self._incoming = self._incoming, []
             stopping = self._stopping
-        return self._cycle(incoming, stopping)
+            joining = self._join is not None
+        return self._cycle(incoming, stopping, joining)
 
-    def _cycle(self, incoming: list[Request], stopping: bool) -> bool:
-        """Run one cycle; True if anything moved (on any rank)."""
+    def _cycle(self, incoming: list[Request], stopping: bool, joining: bool = False) -> bool:
+        """Run one cycle (``joining``: this rank is in ``join()``); True if anything
+        moved (on any rank)."""
         self.stats.cycles += 1
         self._running = incoming  # before the exchange, so that _abort sees them if it fails
-        agreement = self._negotiator.exchange(incoming, stopping, config.FUSION_THRESHOLD.get())
+        agreement = self._negotiator.exchange(incoming, stopping, config.FUSION_THRESHOLD.get(),
+                                              joining)
+        self.joined = [] if agreement.all_joined else agreement.joined
         agreed_at = time.perf_counter()
         tl = timeline.current()
         if agreement.same:  # all of them, in submission order
@@ -496,14 +544,17 @@ class Engine:
             pending, mismatched = self._pending, agreement.mismatched
             for request in incoming:
                 pending[request.name] = request
-            ready = [pending.pop(name) for name in agreement.ready]
-            runnable = []
+            if agreement.missing:
+                ready, runnable = self._joined_ready(agreement)
+            else:
+                ready = [pending.pop(name) for name in agreement.ready]
+                runnable = []
             for request in ready:
                 if request.name in mismatched:
                     request.error = MismatchError(self._mismatch(request.name,
                                                                  mismatched[request.name]))
                     self._finish([request])
-                else:
+                elif not agreement.missing:
                     runnable.append(request)
         if tl is not None:
             for request in ready:
@@ -513,6 +564,8 @@ class Engine:
             self._run(bucket, number, tl)
         if agreement.abandoned:
             self._give_up(agreement)
+        if self._join is not None:
+            self._join_progress(agreement)
         if agreement.all_stopped:
             for request in list(self._pending.values()):
                 missing = self._negotiator.waiting_for(request.name)
@@ -526,7 +579,107 @@ class Engine:
         self._running = []
         if tl is not None:
             tl.flush()
-        return agreement.news or bool(agreement.ready)
+        return agreement.news or bool(agreement.ready) or agreement.all_joined
+
+    def _joined_ready(self, agreement: Agreement) -> tuple[list[Request], list[Request]]:
+        """The ready requests of a cycle in which ranks in ``join()`` stand in for names
+        they never submitted (:attr:`Agreement.missing`): this rank's own ready requests,
+        and the runnable ones in ``ready`` order, stand-ins included, the same on every
+        rank. The ranks tell each other what each missing name they submitted is
+        (:data:`Blueprint`; the lowest such rank's word counts)."""
+        pending, missing, mismatched = self._pending, agreement.missing, agreement.mismatched
+        mine = {name: _blueprint(pending[name]) for name in missing
+                if name not in mismatched and name in pending}
+        blueprints: dict[str, Blueprint | None] = {}
+        for theirs in self._negotiator.share(mine):
+            for name, blueprint in theirs.items():
+                blueprints.setdefault(name, blueprint)
+        ready: list[Request] = []
+        runnable: list[Request] = []
+        for name in agreement.ready:
+            request = pending.pop(name, None)
+            blueprint = blueprints.get(name)
+            if request is not None:
+                ready.append(request)
+                if name in mismatched:
+                    continue
+                if request.spec.kind == REFUSED:  # its caller has had the error
+                    request.error = ArgumentError(request.spec.signature)
+                    self._finish([request])
+                elif blueprint is not None and blueprint[0] == "broadcast" \
+                        and blueprint[5] in missing.get(name, ()):
+                    request.error = CommunicationError(
+                        f"rank {self.rank}: the broadcast {name!r} has root {blueprint[5]}, "
+                        f"which is in join() and never submitted it: a rank in join() "
+                        "has no data to send. Broadcast from a rank that has not joined, "
+                        "or submit the broadcast on the root before it joins")
+                    self._finish([request])
+                else:
+                    runnable.append(request)
+            elif blueprint is not None and not (
+                    blueprint[0] == "broadcast" and blueprint[5] in missing[name]):
+                runnable.append(self._stand_in(name, blueprint))
+        return ready, runnable
+
+    def _stand_in(self, name: str, blueprint: Blueprint) -> Request:
+        """The request with which this rank, in ``join()``, takes part in the operation
+        ``name`` that it never submitted: arrays of the op's identity (no rows for an
+        allgather), with the spec the submitters' arguments give."""
+        kind, op, pre, inplace, grouped, arrays = (blueprint[0], blueprint[1], blueprint[2],
+                                                   blueprint[6], blueprint[7], blueprint[9])
+        be = backend_named(blueprint[8])
+        rop = ReduceOp(op)
+        made = []
+        for dtype, shape in arrays:
+            if kind == "allgather":
+                shape = (0, *shape[1:])
+            dims = tuple(int(d or 0) for d in shape)
+            flat = be.empty(int(np.prod(dims, dtype=np.int64)), dtype)
+            flat.fill(identity(rop, dtype, pre))
+            made.append(flat.reshape(dims))
+        key = ("stand-in", *blueprint[:9], tuple(arrays))
+        spec = self._known_spec(key)
+        if spec is None:
+            spec = self._new_spec(key, lambda: self._stand_in_spec(blueprint, be, made))
+        if grouped:
+            entries = [Entry(a, be, a.dtype, a if inplace else None) for a in made]
+            return Request(name, spec, None, None, self._waiters, -1, None, entries)
+        return Request(name, spec, made[0], made[0] if inplace else None, self._waiters)
+
+    def _stand_in_spec(self, blueprint: Blueprint, be: ArrayBackend, made: list[Any]) -> Spec:
+        """The spec of a stand-in (:meth:`_stand_in`): built by the same checks as the
+        submitters' specs, so that it fuses and runs the same way."""
+        kind, op, pre, post, algorithm, root, inplace, grouped, _, arrays = blueprint
+        if grouped:
+            entries = [Entry(a, be, a.dtype) for a in made]
+            return self._group_spec(entries, op, pre, post, algorithm, inplace)
+        if kind == "allgather":
+            return self._allgather_spec(be, made[0].dtype, (None, *arrays[0][1][1:]), algorithm)
+        if kind == "broadcast":
+            return self._broadcast_spec(be, made[0], root, algorithm, inplace)
+        return self._reduction_spec(kind, be, made[0], op, pre, post, algorithm, inplace)
+
+    def _join_progress(self, agreement: Agreement) -> None:
+        """Finish this rank's ``join()`` once every rank is in it (with the last rank to
+        join), or fail it if a rank stopped its engine without joining."""
+        handle = self._join
+        if handle is None:
+            return
+        if agreement.all_joined:
+            handle.output = agreement.last_joined
+        else:
+            gone = [r for r in agreement.stopped if r not in agreement.joined]
+            if not gone:
+                return
+            handle.error = CommunicationError(
+                f"rank {self.rank}: join() can never finish: rank(s) {gone} stopped their "
+                "async engine (mpitrain.shutdown(), or the end of the program) without "
+                "calling join(); every rank must call join()")
+        handle.entries = None
+        with self._cond:
+            self._join = None
+        complete_all([handle])  # not an operation: not counted in the stats
+        self._waiters.notify()
 
     def _run(self, bucket: Bucket, number: int, tl: timeline.Timeline | None) -> None:
         error: BaseException | None = None
@@ -584,6 +737,9 @@ class Engine:
             self._cond.notify()  # the progress thread may be asleep: let it end
             doomed = list(self._pending.values()) + self._incoming + [
                 r for r in self._running if not r.done and r.name not in self._pending]
+            if self._join is not None:
+                doomed.append(self._join)
+                self._join = None
             self._pending.clear()
             self._incoming = []
         for request in doomed:
@@ -604,10 +760,11 @@ class Engine:
                     + "; ".join(f"its submission was {sig}" for _, sig in refused)
                     + ". Fix that rank's arguments; the other ranks' submissions cannot run "
                     "without it")
-        first = signatures[0]
-        other = next(r for r in range(self.size) if signatures[r] != first)
+        ranks = sorted(signatures)
+        first = signatures[ranks[0]]
+        other = next(r for r in ranks if signatures[r] != first)
         return (f"rank {self.rank}: ranks submitted the async operation {name!r} with "
-                f"different arguments: rank 0 submitted {first}, rank {other} submitted "
+                f"different arguments: rank {ranks[0]} submitted {first}, rank {other} submitted "
                 f"{signatures[other]}; every rank must submit a name with the same kind, op, "
                 "dtype, shape, scaling and algorithm")
 
@@ -632,6 +789,41 @@ def describe(key: tuple[Any, ...]) -> str:
         words += [f"prescale={prescale!r}", f"postscale={postscale!r}"]
     words.append(f"algorithm={algorithm or 'default'}")
     return " ".join(words)
+
+
+def _blueprint(request: Request) -> Blueprint | None:
+    """What a rank in ``join()`` needs to stand in for ``request`` (``None`` for a
+    refused submission: nothing runs)."""
+    spec = request.spec
+    if spec.kind == REFUSED:
+        return None
+    arrays: list[tuple[Any, tuple[int | None, ...]]]
+    if request.entries is not None:
+        arrays = [(e.dtype, tuple(e.array.shape)) for e in request.entries]
+    else:
+        arrays = [(spec.dtype, tuple(request.array.shape))]
+    return (spec.kind, spec.op.value, spec.prescale, spec.postscale, spec.algorithm,
+            spec.root, spec.inplace, spec.grouped, spec.backend.name, arrays)
+
+
+def identity(op: ReduceOp, dtype: Any, prescale: float = 1.0) -> Any:
+    """The value a rank in ``join()`` contributes to a reduction by ``op`` of ``dtype``
+    scaled by ``prescale`` first: after scaling, the identity of ``op`` (0 for Sum,
+    Average and Adasum, 1 for Product, the largest value for Min, the smallest for Max),
+    exactly for floating-point types (for Product up to rounding) and for integers with
+    ``prescale`` 1, so that the result is that of the other ranks."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM) or prescale == 0.0:
+        return 0
+    kind = np.dtype(dtype).kind
+    if op is ReduceOp.PRODUCT:
+        return 1 if prescale == 1.0 or kind in "biu" else 1.0 / prescale
+    high = (op is ReduceOp.MIN) == (prescale > 0.0)  # a negative factor swaps the ends
+    if kind == "b":
+        return high
+    if kind in "iu":
+        info = np.iinfo(dtype)
+        return info.max if high else info.min
+    return np.inf if high else -np.inf
 
 
 def _array_text(dtype: Any, shape: tuple[int | None, ...]) -> str:

@@ -81,9 +81,10 @@ class Announced(Protocol):
     serial: int  # n of a generated name ``<kind>.noname.<n>``, else -1
 
 SLOT_BYTES = 4096
-# The start of a slot: payload length, stop flag, fusion threshold, and the birth cycle
-# of the newest table entry this rank finds past the stall timeout (-1: none).
-_HEAD = struct.Struct("=4q")
+# The start of a slot: payload length, stop flag, fusion threshold, the birth cycle of
+# the newest table entry this rank finds past the stall timeout (-1: none), and the
+# join flag (the rank is in join(): it submits nothing and stands in for what it lacks).
+_HEAD = struct.Struct("=5q")
 CACHE_LIMIT = 1 << 16
 SPIN_S = 100e-6
 STALL_CHECK_S = 1.0
@@ -113,6 +114,14 @@ class Agreement:
             that never submitted them, or a rank that never submitted them stopped
             its engine.
         stalled: those of ``abandoned`` that were given up at the stall timeout.
+        joined: the ranks in ``join()`` this cycle; a name is ready once every other
+            rank has submitted it.
+        missing: the names of ``ready`` that some joined ranks never submitted, each
+            with those ranks (they take part with stand-in arrays).
+        all_joined: every rank is in ``join()``: the join is over.
+        last_joined: then, the rank that joined last (of those that joined in the
+            same cycle, the highest).
+        stopped: the ranks that have asked their engine to stop.
     """
 
     ready: list[str]
@@ -123,6 +132,11 @@ class Agreement:
     same: bool = False
     abandoned: dict[str, str] = field(default_factory=dict)
     stalled: set[str] = field(default_factory=set)
+    joined: list[int] = field(default_factory=list)
+    missing: dict[str, list[int]] = field(default_factory=dict)
+    all_joined: bool = False
+    last_joined: int = -1
+    stopped: list[int] = field(default_factory=list)
 
 
 class Negotiator:
@@ -170,6 +184,8 @@ class Negotiator:
         self.warned: set[str] = set()
         self._next_check = 0.0
         self._announcing: Sequence[Announced] = ()
+        self._joined: set[int] = set()  # ranks in join() as of the last cycle
+        self._last_joined = -1
         if transport is not None:
             transport.detail = self.waiting_on
         self.known: list[tuple[str, str]] = []  # number -> (name, signature)
@@ -181,8 +197,10 @@ class Negotiator:
         self._slots = np.zeros((self.size, SLOT_BYTES), np.uint8)
 
     def exchange(self, requests: Sequence[Announced], stopping: bool,
-                 threshold: int) -> Agreement:
-        """One cycle: share the requests' names and signatures, stop flag and threshold."""
+                 threshold: int, joined: bool = False) -> Agreement:
+        """One cycle: share the requests' names and signatures, stop flag, threshold and
+        join flag (``joined``: this rank is in ``join()``; its wait for the other ranks'
+        cycles is then never a stall, as they may compute for long before they join)."""
         self.cycle += 1
         expire = self._check_stalls(requests) if self.table else -1
         self._announcing = requests
@@ -196,23 +214,26 @@ class Negotiator:
             slot = shm.slot(parity, self.rank)
         else:
             slot = self._slot
-        _HEAD.pack_into(slot.data, 0, len(payload), int(stopping), threshold, expire)
+        _HEAD.pack_into(slot.data, 0, len(payload), int(stopping), threshold, expire,
+                        int(joined))
         if len(payload) <= self._room:
             slot.data[_HEAD.size:_HEAD.size + len(payload)] = payload
         if shm is not None:
             target = shm.arrive()
             flags = shm.flags
-            self._wait(lambda: min(flags) >= target, lambda: shm.wait_quietly(target))
+            self._wait(lambda: min(flags) >= target, lambda: shm.wait_quietly(target), joined)
             slots = shm.slots[parity]  # read before this thread's next two barriers
         else:
             request = self.comm.Iallgather(self._slot, self._slots)
-            self._wait(request.Test, request.Wait)
+            self._wait(request.Test, request.Wait, joined)
             slots = self._slots
         heads = [_HEAD.unpack_from(slots[r].data) for r in range(self.size)]
         lengths = [h[0] for h in heads]
         stopped = [r for r, h in enumerate(heads) if h[1]]
         agreement = Agreement([], {}, len(stopped) == self.size, any(lengths),
-                              min(h[2] for h in heads))
+                              min(h[2] for h in heads), stopped=stopped)
+        if self._joined or any(h[4] for h in heads):
+            self._join_state(agreement, [r for r, h in enumerate(heads) if h[4]])
         if agreement.news:
             payloads = self._payloads(slots, payload, lengths)
             if not self.table and self._all_equal(payloads):
@@ -226,11 +247,26 @@ class Negotiator:
                 for rank, data in enumerate(payloads):
                     self._record(rank, data)
                 self._collect(agreement)
+        elif self.table and agreement.joined:  # a join can make waiting names ready
+            self._collect(agreement)
         if self.table:
             expire = max(h[3] for h in heads)
             if stopped or expire >= 0:
                 self._abandon(agreement, expire, stopped)
         return agreement
+
+    def _join_state(self, agreement: Agreement, joined: list[int]) -> None:
+        """Record which ranks are in ``join()`` this cycle, and whether all are."""
+        agreement.joined = joined
+        new = [r for r in joined if r not in self._joined]
+        if new:
+            self._last_joined = max(new)
+        if len(joined) == self.size:
+            agreement.all_joined = True
+            agreement.last_joined = self._last_joined
+            self._joined, self._last_joined = set(), -1
+        else:
+            self._joined = set(joined)
 
     def _check_stalls(self, requests: Sequence[Announced]) -> int:
         """Warn of table entries past the stall warning (on this rank), and return the
@@ -339,17 +375,25 @@ class Negotiator:
         return out, fresh
 
     def _collect(self, agreement: Agreement) -> None:
-        """Move the names every rank has announced from the table to ``agreement``."""
+        """Move the names every rank has announced (every rank not in ``join()``) from
+        the table to ``agreement``."""
+        joined = agreement.joined
         for name, sigs in list(self.table.items()):
-            if len(sigs) == self.size:
-                del self.table[name]
-                self._forget(name)
-                agreement.ready.append(name)
-                first = sigs[0]
-                if any(sig != first for sig in sigs.values()):
-                    agreement.mismatched[name] = sigs
-                elif (name, first) not in self.numbers:
-                    self.remember(name, first)
+            if len(sigs) < self.size:
+                if not joined:
+                    continue
+                missing = [r for r in range(self.size) if r not in sigs]
+                if any(r not in joined for r in missing):
+                    continue
+                agreement.missing[name] = missing
+            del self.table[name]
+            self._forget(name)
+            agreement.ready.append(name)
+            first = next(iter(sigs.values()))  # rank 0's, unless it is joined
+            if any(sig != first for sig in sigs.values()):
+                agreement.mismatched[name] = sigs
+            elif (name, first) not in self.numbers:
+                self.remember(name, first)
 
     def remember(self, name: str, signature: str) -> None:
         """Number a pair that every rank agreed on (call in ``ready`` order everywhere).
@@ -365,9 +409,15 @@ class Negotiator:
         self.known.append((name, signature))
 
     def waiting_for(self, name: str) -> list[int]:
-        """Ranks that have not yet announced ``name``."""
-        have = self.table.get(name, {})
-        return [r for r in range(self.size) if r not in have]
+        """Ranks that have not yet announced ``name`` (a rank in ``join()`` never will,
+        and is not waited for)."""
+        have, joined = self.table.get(name, {}), self._joined
+        return [r for r in range(self.size) if r not in have and r not in joined]
+
+    def share(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (a collective of this communicator, run
+        by every rank in the same cycle: the stand-ins of a join)."""
+        return self.comm.allgather(value)
 
     def _payloads(self, slots: np.ndarray[Any, Any], payload: bytes,
                   lengths: list[int]) -> list[memoryview]:
@@ -406,7 +456,8 @@ class Negotiator:
                     born[name] = (self.cycle, time.monotonic())
                 sigs[rank] = signature
 
-    def _wait(self, done: Callable[[], bool], block: Callable[[], object]) -> None:
+    def _wait(self, done: Callable[[], bool], block: Callable[[], object],
+              joined: bool = False) -> None:
         """Wait for this cycle's exchange: ``done()`` tests it, ``block()`` waits for it
         like a blocking call. While a caller is blocked in ``wait()`` (this process has
         nothing else to run) that is at once ``block()``. Otherwise test for up to
@@ -418,12 +469,14 @@ class Negotiator:
         a stall timeout and the action ``raise`` (an interruptible transport) the wait
         of a blocked caller polls instead of blocking, and either wait raises
         :class:`~mpitrain.StallError` past the timeout (which fails the engine: its
-        handles raise it)."""
+        handles raise it), unless this rank is ``joined``: it waits for ranks that may
+        compute for long before their next submission, which is no stall."""
         waiters, t = self.waiters, self.transport
         begun = time.perf_counter()
         spin_until = begun + SPIN_S
         delay = 0.0
-        timeout = t.inspector.timeout_s if t is not None and t.interruptible else 0.0
+        interruptible = t is not None and t.interruptible and not joined
+        timeout = t.inspector.timeout_s if t is not None and interruptible else 0.0
         if t is not None:
             t.waiting = True
         try:
@@ -438,7 +491,7 @@ class Negotiator:
                     delay = 20e-6
                 else:
                     time.sleep(0)  # lets the caller's threads run
-            if t is not None and t.interruptible:
+            if t is not None and interruptible:
                 t.poll(done)
             block()
         finally:
@@ -456,5 +509,7 @@ class Negotiator:
         except RuntimeError:  # the table changed under the inspector's thread
             return ""
         if not names:
+            if self.rank in self._joined:
+                return " (this rank is in join(): it waits for the other ranks to join)"
             return " (this rank has no operation pending: it is stopping)"
         return " (this rank has submitted " + shown([repr(n) for n in names], ", ") + ")"

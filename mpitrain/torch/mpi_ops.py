@@ -43,9 +43,6 @@ HorovodInternalError = CommunicationError
 """What Horovod raises when a collective fails across ranks: mpitrain's
 :class:`~mpitrain.CommunicationError` (mismatches, stalls), a ``RuntimeError``."""
 
-_JOIN_TAG = 0x4A4F  # on the adapter's own duplicate communicator
-
-
 # -- initialisation and identity ----------------------------------------------------
 @dataclass
 class _Control:
@@ -799,22 +796,16 @@ def barrier() -> None:
 
 
 def join(device: int = -1) -> int:
-    """Block until every rank has joined; return the rank that joined last.
+    """Block until every rank has joined; return the rank that joined last (the same on
+    every rank).
 
-    Ranks report to rank 0 as they join; the last report rank 0 receives decides.
-    Joined ranks do not take part in other ranks' collectives meanwhile, so every
-    rank must have finished its collectives before calling ``join`` (``device`` is
-    accepted for Horovod compatibility).
+    Until then this rank takes part in the collectives the other ranks submit, as
+    Horovod's joined ranks do: it contributes zeros to Sum and Average (which still
+    divides by the full size), the op's identity to Min, Max and Product, and no rows
+    to allgathers; a broadcast from a joined root fails with ``HorovodInternalError``.
+    ``device`` is accepted for Horovod compatibility.
     """
-    ctrl = _control()
-    me, n = ctrl.Get_rank(), ctrl.Get_size()
-    request = ctrl.isend(me, dest=0, tag=_JOIN_TAG)
-    last = me
-    if me == 0:
-        for _ in range(n):
-            last = ctrl.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG)
-    request.wait()
-    return int(ctrl.bcast(last, root=0))
+    return _comm().join()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

@@ -1,5 +1,6 @@
 """Horovod conformance of mpitrain.torch: build flags, handles, integer scaling, grouped
-allgather/reducescatter, alltoall_async, the timeline and HorovodInternalError."""
+allgather/reducescatter, alltoall_async, the timeline, HorovodInternalError and join()
+with uneven data."""
 
 from __future__ import annotations
 
@@ -220,3 +221,74 @@ def test_broadcast_optimizer_state_with_parameters_without_gradient() -> None:
     one_parameter_step(opt, trained)
     check(torch.allclose(trained.detach(), torch.full((4,), -0.1 * 1.9 * (hvd.size() + 1) / 2)),
           f"a step after the broadcast: {trained}")
+
+
+# -- join with uneven data (DistributedOptimizer, the Horovod use case) ------------------
+def batch(rank: int, step: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+def gradients(model: Any, x: Any, y: Any) -> list[Any]:
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_uneven_training_steps() -> None:
+    """Rank r trains r + 1 steps, then joins. Each step's averaged gradient is the sum of
+    the gradients of the ranks still training divided by size() (joined ranks count as
+    zeros), so every rank's model follows the same path as a single-process replay."""
+    me, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    replay = torch.nn.Linear(4, 1)
+    replay.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(me + 1):
+        opt.zero_grad()
+        x, y = batch(me, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = hvd.join()
+    check(last == n - 1, f"join() returned {last}, want {n - 1}")
+    # replay: at step s, ranks s..n-1 still train; rank r's model stopped after step r
+    for step in range(me + 1):
+        grads = [gradients(replay, *batch(r, step)) for r in range(step, n)]
+        with torch.no_grad():
+            for i, p in enumerate(replay.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / n
+    same = all(torch.allclose(a, b, atol=1e-6)
+               for a, b in zip(model.parameters(), replay.parameters()))
+    check(same, "the model matches a single-process replay")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_uneven_ops_and_join_twice() -> None:
+    """Allreduce (Sum, Average, Max), allgather and grouped allreduce with uneven
+    participation through mpitrain.torch; join twice in a row."""
+    me, n = hvd.rank(), hvd.size()
+    results = []
+    for step in range(me + 1):
+        t = torch.full((3,), float(me + 1))
+        results.append((hvd.allreduce(t, op=hvd.Sum, name=f"s{step}"),
+                        hvd.allreduce(t, op=hvd.Average, name=f"a{step}"),
+                        hvd.allreduce(t, op=hvd.Max, name=f"m{step}"),
+                        hvd.allgather(torch.full((me + 1, 2), me), name=f"g{step}"),
+                        hvd.grouped_allreduce([t, t.int()], op=hvd.Sum, name=f"gr{step}")))
+    hvd.join()
+    again = hvd.join()
+    wrong = []
+    for step, (s, a, m, g, (gf, gi)) in enumerate(results):
+        ranks = range(step, n)
+        total = float(sum(r + 1 for r in ranks))
+        want_g = torch.cat([torch.full((r + 1, 2), r) for r in ranks])
+        if not (torch.equal(s, torch.full((3,), total)) and
+                torch.allclose(a, torch.full((3,), total / n)) and
+                torch.equal(m, torch.full((3,), float(n))) and torch.equal(g, want_g) and
+                torch.equal(gf, s) and torch.equal(gi, s.int())):
+            wrong.append(f"step {step}: {s} {a} {m} {g.tolist()} {gf} {gi}")
+    check(not wrong, "; ".join(wrong))
+    check(again in range(n), f"second join returned {again}")

@@ -140,3 +140,46 @@ def test_stalled_names_are_reported_then_given_up(caplog: Any) -> None:
     assert agreement.stalled == set()
     assert "rank(s) [0] stopped their async engine" in agreement.abandoned["new"]
     assert not neg.table and not neg.born and not neg.warned
+
+
+def test_a_joined_rank_is_not_waited_for() -> None:
+    """With rank 0 in join(), a name ranks 1 and 2 submitted is ready (rank 0 missing,
+    to stand in), one only rank 1 submitted waits for rank 2 alone; the cycle in which
+    every rank has joined ends the join with the last rank to join."""
+    from mpitrain.engine.negotiation import Agreement
+
+    neg = negotiator()
+    neg.size = 3
+    neg.table = {"both": {1: "s", 2: "s"}, "one": {1: "s"}, "odd": {2: "t", 1: "s"}}
+    neg.born = {name: (1, 0.0) for name in neg.table}
+    agreement = Agreement([], {}, False, False, 0)
+    neg._join_state(agreement, [0])
+    neg._collect(agreement)
+    assert agreement.ready == ["both", "odd"]
+    assert agreement.missing == {"both": [0], "odd": [0]}
+    assert agreement.mismatched == {"odd": {2: "t", 1: "s"}}
+    assert list(neg.table) == ["one"] and neg.waiting_for("one") == [2]
+    assert not agreement.all_joined
+    later = Agreement([], {}, False, False, 0)
+    neg._join_state(later, [0, 1, 2])  # ranks 1 and 2 join in the same cycle
+    assert later.all_joined and later.last_joined == 2
+    assert neg.waiting_for("one") == [0, 2]  # the join is over: rank 0 counts again
+
+
+def test_identity_of_each_op() -> None:
+    """What a joined rank contributes: the op's identity after the prescale factor."""
+    import numpy as np
+
+    from mpitrain.engine.engine import identity
+    from mpitrain.ops import ReduceOp
+
+    assert identity(ReduceOp.SUM, np.float32) == 0
+    assert identity(ReduceOp.AVERAGE, np.int64, 3.0) == 0
+    assert identity(ReduceOp.PRODUCT, np.int32) == 1
+    assert identity(ReduceOp.PRODUCT, np.float64, 4.0) == 0.25
+    assert identity(ReduceOp.MIN, np.float16) == np.inf
+    assert identity(ReduceOp.MIN, np.float32, -2.0) == -np.inf  # times -2: +inf
+    assert identity(ReduceOp.MAX, np.int8) == -128
+    assert identity(ReduceOp.MIN, np.uint16) == 65535
+    assert identity(ReduceOp.MAX, np.bool_) is False
+    assert identity(ReduceOp.MAX, np.float32, 0.0) == 0

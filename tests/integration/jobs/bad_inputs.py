@@ -347,6 +347,18 @@ def async_engine_stopped_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
         own.free()
 
 
+def async_broadcast_from_joined_root(ctx: Any, rank: int, size: int) -> Any:
+    """Rank 0 calls join() (uneven data); the others broadcast from it, which has no
+    data to send."""
+    comm = _started(ctx.comm)
+    try:
+        if rank != 0:
+            return comm.broadcast_async(_x(), root=0, name="from.joined").wait()
+        return None
+    finally:
+        comm.join()
+
+
 # -- torch (mpitrain.torch, on the default communicator) -------------------------------
 def torch_dtype_mismatch(ctx: Any, rank: int, size: int) -> Any:
     import torch
@@ -477,6 +489,9 @@ CASES = [
          lambda rank, size: ((None, "") if last_differs(rank, size) else
                              ("CommunicationError", rf"rank\(s\) \[{size - 1}\] stopped their "
                               "async engine .*without submitting 'orphan'"))),
+    Case("async_broadcast_from_joined_root", async_broadcast_from_joined_root,
+         lambda rank, size: ((None, "") if rank == 0 else
+                             ("CommunicationError", r"root 0, which is in join\(\)"))),
     Case("torch_dtype_mismatch", torch_dtype_mismatch,
          everywhere("MismatchError", r"'t\.dtype' with different arguments.*float64\[5\]")),
     Case("torch_shape_mismatch", torch_shape_mismatch,
