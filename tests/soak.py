@@ -272,10 +272,12 @@ def worker(count: int, seed: int, max_count: int) -> int:
         if not ok:
             wrong.append(f"rank {comm.rank} case {i}: {what}")
     all_wrong = [w for ws in comm.allgather_object(wrong) for w in ws]
+    stats = comm.async_stats() if comm.engine_started else None
     if comm.rank == 0:
         print(json.dumps({"ranks": comm.size, "collectives": count, "wrong": all_wrong,
-                          "kinds": kinds, "seconds": round(time.perf_counter() - started, 1)}),
-              flush=True)
+                          "kinds": kinds, "seconds": round(time.perf_counter() - started, 1),
+                          "fused": stats.fused if stats else 0,
+                          "cycles": stats.cycles if stats else 0}), flush=True)
     mt.shutdown()
     return 1 if all_wrong else 0
 
@@ -350,7 +352,8 @@ def driver(ranks: list[int], total: int, seed: int, max_count: int,
         done += summary["collectives"]
         failures += len(summary["wrong"])
         print(f"soak: {summary['collectives']} collectives at {n} ranks (seed {seed + i}) in "
-              f"{summary['seconds']} s, {len(summary['wrong'])} wrong; by kind: "
+              f"{summary['seconds']} s, {len(summary['wrong'])} wrong; async: "
+              f"{summary['fused']} arrays fused in {summary['cycles']} cycles; by kind: "
               + ", ".join(f"{k} {v}" for k, v in sorted(summary["kinds"].items())), flush=True)
         for w in summary["wrong"][:20]:
             print(f"  WRONG {w}")

@@ -138,3 +138,24 @@ def test_engine_caches_emptied_mid_run(watched: pytest.MonkeyPatch, comm: mt.Com
         assert_all_ranks(c, c.async_stats().cycles - before >= 40, "cycles ran")
     finally:
         c.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["no-shm", "shm"])
+def test_buckets_at_the_fusion_threshold(watched: pytest.MonkeyPatch, comm: mt.Communicator,
+                                         shared_memory: bool) -> None:
+    """Buckets that fill the fusion threshold exactly, one element past it, arrays of
+    exactly the threshold (never fused) and one element under it, with a threshold
+    that differs by rank (the smallest one cuts the buckets on every rank), in one
+    cycle and in cycles that ranks reach with different parts of the batch."""
+    item = 8  # float64
+    threshold = 12 * item
+    watched.setenv("MPITRAIN_FUSION_THRESHOLD", str(threshold + 8 * item * comm.rank))
+    c = mt.Communicator(comm.mpi_comm, shared_memory=shared_memory)
+    try:
+        batches = [[4, 4, 4], [4, 4, 4, 1], [12], [11, 1], [11, 2], [12, 12, 0, 6, 6],
+                   [1] * 12 + [1], [13, 3, 9]]
+        for it, sizes in enumerate(batches):
+            fused_rounds(c, sizes, "float64", 3, tag=f"b{it}.")
+    finally:
+        c.free()
