@@ -18,14 +18,17 @@ its result bit for bit against a numpy reference it computes from every rank's i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,6 +38,8 @@ from helpers import DTYPES, crafted, ops_for, reference
 KINDS = ("allreduce", "allreduce_", "allreduce_out", "reduce_scatter", "allgather",
          "broadcast", "broadcast_", "broadcast_object", "allgather_object", "barrier",
          "async")
+HUNG = None
+"""The exit status :func:`run_job` gives a job it had to kill."""
 WEIGHTS = np.array([6, 3, 2, 5, 4, 3, 2, 1, 1, 1, 2], float)
 SMALL_SEGMENTS = ("", "", "", "64", "1K", "24")  # many segments: only for small counts
 LARGE_SEGMENTS = ("", "", "64K", "256K")
@@ -52,8 +57,10 @@ def draw_count(rng: np.random.Generator, size: int, max_count: int) -> int:
     return int(np.exp(rng.uniform(0, np.log(max_count))))
 
 
-def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
-    """Run one randomized collective; return its description and whether it was right."""
+def one_case(comm: Any, rng: np.random.Generator, max_count: int,
+             note: Callable[[str], None]) -> tuple[str, bool]:
+    """Run one randomized collective; return its description and whether it was right.
+    ``note`` gets the description before any message moves (a hang is then known by it)."""
     import mpitrain as mt
     from mpitrain.algorithms import ALGORITHMS
 
@@ -69,11 +76,13 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
     algorithm = str(rng.choice(algorithms))
     what = f"{kind} {dtype}[{count}] {algorithm} seg={os.environ['MPITRAIN_SEGMENT_BYTES']}"
 
+    if kind not in ("async", "allreduce", "allreduce_", "allreduce_out", "reduce_scatter"):
+        note(what)  # (the reductions once their op is drawn)
     if kind == "barrier":
         comm.barrier()
         return what, True
     if kind == "async":
-        return async_batch(comm, rng, max_count)
+        return async_batch(comm, rng, max_count, note)
     if kind == "broadcast_object":
         root = int(rng.integers(size))
         got = comm.broadcast_object({"root": root, "rank": rank, "data": list(range(count % 50))},
@@ -104,6 +113,7 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
     pre, post = (float(2.0 ** rng.integers(-1, 2)), float(2.0 ** rng.integers(-1, 2))) \
         if float_like and op in (mt.Sum, mt.Average) else (1.0, 1.0)
     what += f" {op.value} pre={pre:g} post={post:g}"
+    note(what)
     x = crafted(rank, count, dtype, op)
     want = expected(size, count, dtype, op, pre, post)
     if kind == "reduce_scatter":
@@ -132,7 +142,8 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, 
     return what, _same(got, want)
 
 
-def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[str, bool]:
+def async_batch(comm: Any, rng: np.random.Generator, max_count: int,
+                note: Callable[[str], None]) -> tuple[str, bool]:
     """A batch of async allreduces (some in place, some of those into strided views, one
     maybe a grouped allreduce), named ones submitted and waited in an order of each
     rank's own, unnamed ones in the common order (in a third of the batches all alike,
@@ -154,6 +165,9 @@ def async_batch(comm: Any, rng: np.random.Generator, max_count: int) -> tuple[st
         if burst and not specs[-1][4]:
             alike = next(s for s in specs if not s[4])
             specs[-1] = (*alike[:4], False, specs[-1][5])
+    note(f"async {n} allreduces (" + ", ".join(
+        f"{'' if s[4] else 'unnamed '}{s[0]}[{s[2]}] {s[1].value}{' in place' if s[3] else ''}"
+        for s in specs) + ")")
     mine = np.random.default_rng([int(rng.integers(1 << 31)), rank])  # this rank's orders
     named = [i for i, s in enumerate(specs) if s[4]]
     unnamed = [i for i, s in enumerate(specs) if not s[4]]
@@ -228,62 +242,119 @@ def _same(got: Any, want: np.ndarray) -> bool:
 
 
 def worker(count: int, seed: int, max_count: int) -> int:
-    """One job: ``count`` cases; rank 0 prints a JSON summary as its last line."""
+    """One job: ``count`` cases; rank 0 prints each case as it begins (``case i: ...``,
+    so that the driver can name the case a hung job stopped in) and a JSON summary as
+    its last line."""
     import mpitrain as mt
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's call on a hang
     comm = mt.init()
     rng = np.random.default_rng(seed)
     wrong: list[str] = []
     kinds: dict[str, int] = {}
     started = time.perf_counter()
+    current = [0, ""]
+
+    def note(what: str) -> None:
+        current[1] = what
+        if comm.rank == 0:
+            print(f"case {current[0]}: {what}", flush=True)
+
     for i in range(count):
+        current[0] = i
         try:
-            what, ok = one_case(comm, rng, max_count)
+            what, ok = one_case(comm, rng, max_count, note)
         except Exception:
-            sys.stderr.write(f"rank {comm.rank}: case {i} raised:\n{traceback.format_exc()}")
+            sys.stderr.write(f"rank {comm.rank}: case {i} ({current[1]}) raised:\n"
+                             f"{traceback.format_exc()}")
             raise
         kinds[what.split()[0]] = kinds.get(what.split()[0], 0) + 1
         if not ok:
             wrong.append(f"rank {comm.rank} case {i}: {what}")
     all_wrong = [w for ws in comm.allgather_object(wrong) for w in ws]
+    stats = comm.async_stats() if comm.engine_started else None
     if comm.rank == 0:
         print(json.dumps({"ranks": comm.size, "collectives": count, "wrong": all_wrong,
-                          "kinds": kinds, "seconds": round(time.perf_counter() - started, 1)}),
-              flush=True)
+                          "kinds": kinds, "seconds": round(time.perf_counter() - started, 1),
+                          "fused": stats.fused if stats else 0,
+                          "cycles": stats.cycles if stats else 0}), flush=True)
     mt.shutdown()
     return 1 if all_wrong else 0
 
 
-def driver(ranks: list[int], total: int, seed: int, max_count: int) -> int:
-    """One mpirun job per rank count; print each job's line and the total."""
+def run_job(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str, str]:
+    """Run one mpirun job in a session of its own; past ``timeout`` seconds have every
+    process of it print its threads' stacks (SIGUSR1, see :func:`worker`), then kill
+    them all. Returns the exit status (:data:`HUNG`: killed), stdout and stderr."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        _signal_session(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        _signal_session(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return HUNG, stdout, stderr + f"\n[the job hung: killed after {timeout:g} s]"
+
+
+def _signal_session(sid: int, signum: int) -> None:
+    """Send ``signum`` to every process of session ``sid`` (mpirun, its leader, only
+    SIGKILL: it would forward other signals to the ranks a second time); Open MPI puts
+    the ranks in process groups of their own, so a process group is not enough."""
+    pids = {sid} if signum == signal.SIGKILL else set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and int(stat.parent.name) != sid:  # state ppid pgrp session
+            pids.add(int(stat.parent.name))
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)
+
+
+def driver(ranks: list[int], total: int, seed: int, max_count: int,
+           job_timeout: float) -> int:
+    """One mpirun job per rank count; print each job's line and the total. A job that
+    fails or hangs (killed after ``job_timeout`` s) is reported with the case it
+    stopped in and the command that runs it again."""
     venv_bin = Path(sys.executable).parent
     mpirun = str(venv_bin / "mpirun") if (venv_bin / "mpirun").exists() else "mpirun"
     flags = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-             "--mca", "threads_pthreads_yield_strategy", "nanosleep", "-x", "PYTHONPATH"]
+             "--mca", "threads_pthreads_yield_strategy", "nanosleep", "--mca", "osc", "^ucx",
+             "-x", "PYTHONPATH"]
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    # a stalled job says where every rank is (the job's timeout still ends it)
+    env.setdefault("MPITRAIN_STALL_WARNING_S", "30")
     done, failures = 0, 0
     shares = [total // len(ranks) + (i < total % len(ranks)) for i in range(len(ranks))]
     for i, (n, share) in enumerate(zip(ranks, shares)):
         cmd = [mpirun, *flags, "-np", str(n), sys.executable, __file__, "--worker",
                "--count", str(share), "--seed", str(seed + i), "--max-count", str(max_count)]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-            rc, stdout, out = proc.returncode, proc.stdout, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired:
-            rc, stdout, out = -1, "", "[killed after 1800 s]"
+        rc, stdout, stderr = run_job(cmd, env, job_timeout)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-        if not lines:
+        if rc is HUNG or not lines:
             failures += 1
-            print(f"soak: the job at {n} ranks failed (exit {rc}):\n{out[-4000:]}")
+            cases = [ln for ln in stdout.splitlines() if ln.startswith("case ")]
+            again = (f"MPITRAIN_SHM={os.environ.get('MPITRAIN_SHM', '1')} python tests/soak.py "
+                     f"--ranks {n} --total {share} --seed {seed + i} --max-count {max_count}")
+            print(f"soak: the job at {n} ranks (seed {seed + i}) "
+                  f"{'HUNG' if rc is HUNG else f'failed (exit {rc})'} in "
+                  f"{cases[-1] if cases else 'its start'} of {share}; run it again with: "
+                  f"{again}\n{stderr[-12000:]}", flush=True)
             continue
         summary = json.loads(lines[-1])
         done += summary["collectives"]
         failures += len(summary["wrong"])
-        print(f"soak: {summary['collectives']} collectives at {n} ranks in "
-              f"{summary['seconds']} s, {len(summary['wrong'])} wrong; by kind: "
-              + ", ".join(f"{k} {v}" for k, v in sorted(summary["kinds"].items())))
+        print(f"soak: {summary['collectives']} collectives at {n} ranks (seed {seed + i}) in "
+              f"{summary['seconds']} s, {len(summary['wrong'])} wrong; async: "
+              f"{summary['fused']} arrays fused in {summary['cycles']} cycles; by kind: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(summary["kinds"].items())), flush=True)
         for w in summary["wrong"][:20]:
             print(f"  WRONG {w}")
     print(f"soak: {done} collectives verified against numpy, {failures} wrong or failed "
@@ -298,13 +369,15 @@ def main() -> int:
     p.add_argument("--total", type=int, default=10_000, help="collectives over all jobs")
     p.add_argument("--seed", type=int, default=2024)
     p.add_argument("--max-count", type=int, default=1 << 18, help="largest element count")
+    p.add_argument("--job-timeout", type=float, default=900.0,
+                   help="seconds after which a job counts as hung and is killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args.count, args.seed, args.max_count)
     return driver([int(n) for n in args.ranks.split(",")], args.total, args.seed,
-                  args.max_count)
+                  args.max_count, args.job_timeout)
 
 
 if __name__ == "__main__":

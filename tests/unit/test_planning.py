@@ -10,6 +10,7 @@ import pytest
 import mpitrain as mt
 from mpitrain import config
 from mpitrain.algorithms.chunks import (
+    MAX_SEGMENTS,
     bounds_from_counts,
     default_segment_bytes,
     segment_bounds,
@@ -45,6 +46,27 @@ def test_segments_cover_chunk_exactly() -> None:
     assert segment_count(1000, 4, 400) == 10
     assert segment_count(1001, 4, 400) == 11
     assert bounds_from_counts([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
+
+
+def test_segment_sizes_at_their_edges() -> None:
+    """Segments smaller than an element hold one element; a chunk that is an exact
+    multiple of the segment has no short last segment; and however small the segments
+    asked for, a chunk has at most MAX_SEGMENTS of them (each a message in flight)."""
+    assert segment_count(10, 16, 1) == 10  # complex128 in 1-byte segments: one each
+    assert segment_count(10, 16, 15) == 10
+    assert segment_count(10, 16, 16) == 10
+    assert segment_count(10, 16, 17) == 10
+    assert segment_count(10, 16, 32) == 5
+    assert segment_count(10, 16, 33) == 5
+    assert segment_count(MAX_SEGMENTS * 4, 4, 16) == MAX_SEGMENTS  # exact multiple
+    assert segment_count(MAX_SEGMENTS * 4 + 1, 4, 16) == MAX_SEGMENTS
+    assert segment_count(1_000_000, 4, 64) == MAX_SEGMENTS  # not 62,500
+    for count in (MAX_SEGMENTS - 1, MAX_SEGMENTS, MAX_SEGMENTS + 1, 100_003):
+        k = segment_count(count, 8, 1)
+        segs = segment_bounds((7, 7 + count), k)
+        assert len(segs) == min(count, MAX_SEGMENTS)
+        assert segs[0][0] == 7 and segs[-1][1] == 7 + count
+        assert all(hi - lo >= count // k for lo, hi in segs)
 
 
 def test_default_segment_bytes() -> None:

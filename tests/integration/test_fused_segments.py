@@ -1,0 +1,40 @@
+"""Fused async allreduces without shared memory in 64-byte pipeline segments: a loop
+of training steps at 3, 4 and 5 ranks ends, with every result right, through the ring
+(whose pipeline the segments cut) and through the default choice; and buckets of
+hundreds of kilobytes, which the ring used to cut into thousands of segments per
+chunk, all in flight at once (jobs hung inside the ring).
+
+Each job has a stall timeout (a hang inside it becomes StallError) and a hard timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import finish, start
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "fused_loop.py")
+
+
+@pytest.mark.parametrize("ranks,algorithm", [(3, "ring"), (4, "ring"), (5, "ring"),
+                                             (3, "auto"), (5, "auto")])
+def test_fused_loop_in_tiny_segments_without_shared_memory(ranks: int, algorithm: str) -> None:
+    proc = start(ranks, [sys.executable, JOB, "500"], MPITRAIN_SHM="0",
+                 MPITRAIN_ALGORITHM=algorithm,
+                 MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
+                 MPITRAIN_STALL_TIMEOUT_S="60")
+    code, out = finish(proc, 300)
+    assert code == 0, out[-4000:]
+    assert "500 steps done" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("ranks", [3, 5])
+def test_large_fused_buckets_in_tiny_segments(ranks: int) -> None:
+    proc = start(ranks, [sys.executable, JOB, "20", "2000"], MPITRAIN_SHM="0",
+                 MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
+                 MPITRAIN_STALL_TIMEOUT_S="60")
+    code, out = finish(proc, 300)
+    assert code == 0, out[-4000:]
+    assert "20 steps done" in out, out[-4000:]
