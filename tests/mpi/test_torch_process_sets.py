@@ -283,7 +283,7 @@ def test_remove_then_use_is_an_error() -> None:
     hvd.barrier()
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(min_size=1)
 def test_add_process_set_validation() -> None:
     n, me = hvd.size(), hvd.rank()
     for bad, match in (([0, 0], r"repeat \[0\]"), ([0, n], fr"\[{n}\] out of range"),
@@ -291,6 +291,10 @@ def test_add_process_set_validation() -> None:
                        (["a"], "must be a list of ints"), (list(range(n)), "global process set")):
         with pytest.raises(ValueError, match=match):
             hvd.add_process_set(bad)
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+    if n == 1:  # every other set is the global one
+        return
     ranks = [n - 1, 0] if n > 2 else [1]
     ps = hvd.add_process_set(ranks)
     assert ps.ranks == sorted(ranks)  # sorted, as Horovod sorts
