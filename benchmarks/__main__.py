@@ -1,27 +1,41 @@
-"""``python -m benchmarks <collective> [options]`` (:mod:`benchmarks.harness`) or
-``python -m benchmarks fusion [options]`` (:mod:`benchmarks.fusion`); installed, the same
-command is ``mpitrain-bench``."""
+"""``python -m benchmarks <collective> [options]`` (:mod:`benchmarks.harness`),
+``python -m benchmarks fusion [options]`` (:mod:`benchmarks.fusion`) or
+``python -m benchmarks train [options]`` (:mod:`benchmarks.train`, needs torch); installed,
+the same command is ``mpitrain-bench``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
+from mpi4py import MPI
+
 from mpitrain import excepthook
 
-from . import fusion, harness
+from . import fusion, gloo, harness
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark ``argv`` (default ``sys.argv[1:]``) names: ``fusion ...`` the
-    fusion case, anything else one collective through the harness.
+    fusion case, ``train ...`` the training case, anything else one collective through
+    the harness.
 
     Returns:
-        The benchmark's exit status: 0 if every verified element was right, else 1.
+        The benchmark's exit status: 0 if every verified element (every trained
+        model) was right, else 1; 2 for ``train`` without torch.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
         return fusion.main(args[1:])
+    if args[:1] == ["train"]:  # whole training steps, torch only: imported on demand
+        if not gloo.available():
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print("python -m benchmarks train: error: needs torch: pip install "
+                      "torch==2.13.0", file=sys.stderr, flush=True)
+            return 2
+        from . import train
+
+        return train.main(args[1:])
     return harness.main(args)
 
 

@@ -1,12 +1,13 @@
-"""What the benchmarks share: the collective harness (:mod:`.harness`) and the fusion case
-(:mod:`.fusion`) both build on it, and it imports neither.
+"""What the benchmarks share: the collective harness (:mod:`.harness`), the fusion case
+(:mod:`.fusion`) and the training case (:mod:`.train`) build on it, and it imports none.
 
 * the dtypes ``-d`` takes (:data:`DTYPES`, :data:`DTYPE_ALIASES`);
 * byte sizes: :func:`parse_size`, :func:`format_size`, :func:`size_series`;
 * :class:`OneRankParser`, an argument parser that prints on rank 0 only;
 * interleaved timing (:func:`time_calls`, :data:`MIN_ITERS`) and exact verification
   (:func:`count_wrong`);
-* what makes a run reproducible: :func:`command_line`, :func:`machine_info`.
+* what makes a run reproducible: :func:`command_line`, :func:`machine_info` (with
+  :func:`idle_wait`: whether the ranks busy-poll or yield).
 """
 
 from __future__ import annotations
@@ -158,12 +159,28 @@ def count_wrong(call: Call, expected: Array,
 
 
 # -- reproducibility ------------------------------------------------------------------
+YIELD_MCA = ("mpi_yield_when_idle", "threads_pthreads_yield_strategy")
+"""Open MPI's settings that make waiting ranks yield, shown in :func:`command_line`."""
+
+
 def command_line(argv: Sequence[str], nranks: int) -> str:
     """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
-    saw (glibc's malloc thresholds change native MPI's large-message times)."""
+    saw (glibc's malloc thresholds change native MPI's large-message times) and Open
+    MPI's yield settings where they were given (:data:`YIELD_MCA`)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if k.startswith(("MPITRAIN_", "MALLOC_"))]
-    return " ".join([*env, f"mpirun -np {nranks} python -m benchmarks", shlex.join(argv)])
+    mca = [f"--mca {name} {shlex.quote(os.environ[f'OMPI_MCA_{name}'])}" for name in YIELD_MCA
+           if f"OMPI_MCA_{name}" in os.environ]
+    return " ".join([*env, "mpirun", *mca, f"-np {nranks} python -m benchmarks",
+                     shlex.join(argv)])
+
+
+def idle_wait() -> str:
+    """How ranks wait for messages: ``yield`` where Open MPI was told to
+    (``--mca mpi_yield_when_idle 1``, which it passes to every rank as
+    ``OMPI_MCA_mpi_yield_when_idle``), else ``busy-poll``, MPI's default."""
+    yielding = os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"  # noqa: SIM112 (its name)
+    return "yield" if yielding else "busy-poll"
 
 
 def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
@@ -180,5 +197,6 @@ def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
         "mpitrain": mt.__version__,
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "idle_wait": idle_wait(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }

@@ -2,12 +2,15 @@
 
 ``make bench`` runs the harness once per collective and rank count and writes
 ``DIR/<collective>-np<N>[-<kind>].json`` (and a PNG next to each). This module turns
-them into markdown: per run the exact command, a table of the median time of every
+them into markdown, one section per setup (rank count and whether idle ranks
+busy-poll or yield, as each file records it; busy-polling first, the headline): a
+table of the performance targets with the worst measured ratio and whether it was
+met, then per run the exact command and a table of the median time of every
 implementation per size with the ratios against the baselines (``mpi/x`` above 1:
-``x`` is faster than native MPI), and a table of the performance targets with the
-worst measured ratio and whether it was met. The prose around the tables comes from
-a template whose ``{{results}}`` line is replaced; its ``{{multinode}}`` line gets the
-tables of ``benchmarks/multinode.sh``'s runs in ``DIR/multinode``.
+``x`` is faster than native MPI). The prose around the tables comes from a template
+whose ``{{results}}`` line is replaced; its ``{{train}}`` line gets the tables of the
+training benchmark's ``DIR/train-np<N>[-fp16].json`` (:mod:`benchmarks.train`), its
+``{{multinode}}`` line those of ``benchmarks/multinode.sh``'s runs in ``DIR/multinode``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 KiB, MiB = 1 << 10, 1 << 20
 Row = dict[str, Any]
+Setup = tuple[bool, int]
+"""(ranks yield, rank count): a section of the report."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,31 @@ class Run:
         """Every size measured, ascending."""
         return sorted({r["size"] for r in self.doc["results"]})
 
+    @property
+    def idle_wait(self) -> str:
+        """``busy-poll`` or ``yield``, as the run recorded it (files written before it
+        was recorded came from ``make bench`` runs that all yielded)."""
+        return str(self.doc["machine"].get("idle_wait", "yield"))
 
-def load(folder: str) -> list[Run]:
-    """Every ``<collective>-np<N>[-<kind>].json`` of ``folder``."""
+    @property
+    def setup(self) -> Setup:
+        """The section this run belongs to: busy-polling first, then by rank count."""
+        return (self.idle_wait != "busy-poll", self.ranks)
+
+
+def setup_title(run: Run) -> str:
+    """The heading of ``run``'s setup: ``2 ranks on 2 cores, busy-polling``."""
+    cpus = run.doc["machine"].get("cpus")
+    where = f" on {cpus} cores" if cpus else ""
+    if run.idle_wait == "busy-poll":
+        return f"{run.ranks} ranks{where}, busy-polling (plain `mpirun -np {run.ranks}`)"
+    return f"{run.ranks} ranks{where}, yielding (`--mca mpi_yield_when_idle 1`)"
+
+
+def load(folder: str, case: str | None = None) -> list[Run]:
+    """Every ``<collective>-np<N>[-<kind>].json`` of ``folder`` whose ``case`` is
+    ``case`` (``None``: the harness's runs, which name no case; ``"train"``: the
+    training benchmark's)."""
     runs = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         stem = os.path.basename(path)[:-5]
@@ -62,7 +89,8 @@ def load(folder: str) -> list[Run]:
             continue
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-        runs.append(Run(parts[0], int(parts[1][2:]), "-".join(parts[2:]), path, doc))
+        if doc.get("case") == case:
+            runs.append(Run(parts[0], int(parts[1][2:]), "-".join(parts[2:]), path, doc))
     return runs
 
 
@@ -195,26 +223,60 @@ def targets(runs: Sequence[Run]) -> list[str]:
 
 
 def render(runs: Sequence[Run], outdir: str) -> list[str]:
-    """Every table, grouped by collective and rank count (links relative to ``outdir``)."""
-    out = ["## Targets", "",
-           "Ratios are `baseline time / mpitrain time` (above 1: mpitrain is faster); the "
-           "latency target is met when the ratio is at least 0.5 (mpitrain at most 2x "
-           "native's time).", "", *targets(runs), ""]
+    """Per setup (:func:`setup_title`) its targets, then every table, by collective
+    (links relative to ``outdir``)."""
     titles = {"": "", "inplace": ", in place", "malloc": ", tuned native malloc",
               "overhead": ", small messages with and without validation"}
-    for run in sorted(runs, key=lambda r: (r.collective, r.ranks, r.kind)):
-        out += [f"## {run.collective}, {run.ranks} ranks{titles.get(run.kind, run.kind)}", "",
-                "```", run.doc["command"], "```", ""]
-        machine = run.doc["machine"]
-        if "copy_gbps_all" in machine:
-            out += [f"Memory copy bandwidth: {machine['copy_gbps_one']:.1f} GB/s one rank, "
-                    f"{machine['copy_gbps_all']:.1f} GB/s all ranks at once. "
-                    f"{run.doc['settings']['iters']} timed runs per size; time = max over "
-                    "ranks of each rank's median.", ""]
-        out += table(run, inplace=run.kind == "inplace")
-        png = os.path.splitext(run.path)[0] + ".png"
-        if os.path.exists(png):
-            out += ["", f"![{run.collective} {run.ranks} ranks]({os.path.relpath(png, outdir)})"]
+    out = []
+    for setup in sorted({r.setup for r in runs}):
+        group = sorted((r for r in runs if r.setup == setup),
+                       key=lambda r: (r.collective, r.kind))
+        out += [f"## {setup_title(group[0])}", "", "### Targets", "",
+                "Ratios are `baseline time / mpitrain time` (above 1: mpitrain is faster); "
+                "the latency target is met when the ratio is at least 0.5 (mpitrain at most "
+                "2x native's time).", "", *targets(group), ""]
+        for run in group:
+            out += [f"### {run.collective}, {run.ranks} ranks"
+                    f"{titles.get(run.kind, run.kind)}", "", "```", run.doc["command"],
+                    "```", ""]
+            machine = run.doc["machine"]
+            if "copy_gbps_all" in machine:
+                out += [f"Memory copy bandwidth: {machine['copy_gbps_one']:.1f} GB/s one "
+                        f"rank, {machine['copy_gbps_all']:.1f} GB/s all ranks at once. "
+                        f"{run.doc['settings']['iters']} timed runs per size; time = max "
+                        "over ranks of each rank's median.", ""]
+            out += table(run, inplace=run.kind == "inplace")
+            png = os.path.splitext(run.path)[0] + ".png"
+            if os.path.exists(png):
+                out += ["", f"![{run.collective} {run.ranks} ranks]"
+                            f"({os.path.relpath(png, outdir)})"]
+            out.append("")
+    return out
+
+
+def train_tables(runs: Sequence[Run]) -> list[str]:
+    """The training benchmark's runs (:mod:`benchmarks.train`): per run its command and
+    one row per model and implementation."""
+    out: list[str] = []
+    for run in sorted(runs, key=lambda r: (r.setup, r.kind)):
+        settings = run.doc["settings"]
+        out += [f"### {setup_title(run)}, gradients {settings['compression']}", "", "```",
+                run.doc["command"], "```", "",
+                f"{settings['batch']} samples per rank and step, {settings['rounds']} rounds "
+                f"x {settings['steps']} timed steps of each implementation; step = max over "
+                "ranks of each rank's median.", "",
+                "| model | parameters (tensors) | implementation | step | samples/s | "
+                "scaling | ddp/impl | rel. diff | check |", "|---|---|---|---|---|---|---|---|---|"]
+        ddp = {r["model"]: r["step_ms"] for r in run.doc["results"] if r["impl"] == "ddp"}
+        for r in run.doc["results"]:
+            one = r["impl"] == "1 rank"
+            ratio = f"{ddp[r['model']] / r['step_ms']:.2f}" if r["model"] in ddp and not one \
+                else "-"
+            out.append(f"| {r['model']} | {r['params'] / 1e6:.2f} M ({r['tensors']}) | "
+                       f"{r['impl']} | {human_time(r['step_ms'] * 1e3)} | "
+                       f"{r['samples_per_s']:.1f} | {r['scaling']:.2f} | {ratio} | "
+                       f"{'-' if one else format(r['difference'], '.1e')} | "
+                       f"{'-' if one else ('OK' if r['ok'] else 'FAILED')} |")
         out.append("")
     return out
 
@@ -285,9 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(a.template, encoding="utf-8") as f:
         template = f.read()
     body = "\n".join(render(runs, os.path.dirname(os.path.abspath(a.output))))
+    training = "\n".join(train_tables(load(a.folder, "train")))
     cluster = "\n".join(multinode(os.path.join(a.folder, "multinode")))
     with open(a.output, "w", encoding="utf-8") as f:
-        f.write(template.replace("{{results}}", body).replace("{{multinode}}", cluster))
+        f.write(template.replace("{{results}}", body).replace("{{train}}", training)
+                .replace("{{multinode}}", cluster))
     return 0
 
 

@@ -1,13 +1,16 @@
 """All of mpitrain's configuration, read in one place.
 
-Precedence: keyword argument > ``MPITRAIN_*`` environment variable > default.
-Each setting is read through :func:`get` so that a test can change the environment
-and see the change without re-importing anything.
+Precedence: keyword argument > ``MPITRAIN_*`` environment variable > its Horovod
+alias (``HOROVOD_*``, :data:`ALIASES`) > default. Each setting is read through
+:meth:`Setting.get` so that a test can change the environment and see the change
+without re-importing anything. Aliases are resolved once, off that path: when this
+module is imported and again by :func:`resolve_aliases` (``mt.init()`` calls it).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -64,6 +67,16 @@ def _raw(name: str, key: bytes) -> str | None:
 
 
 @dataclass(frozen=True)
+class _AliasValue:
+    """A Horovod variable resolved for a setting: our spelling of its value, or why
+    the value is not valid."""
+
+    name: str
+    text: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Setting(Generic[T]):
     """One ``MPITRAIN_*`` variable: its name, parser, default and meaning.
 
@@ -77,6 +90,7 @@ class Setting(Generic[T]):
     doc: str
     _parsed: dict[str, T] = field(default_factory=dict, repr=False, compare=False)
     _key: bytes = field(default=b"", repr=False, compare=False)
+    _alias: _AliasValue | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", os.fsencode(self.name))
@@ -87,7 +101,12 @@ class Setting(Generic[T]):
             return override
         raw = _raw(self.name, self._key)
         if not raw:
-            return self.default
+            alias = self._alias
+            if alias is None:
+                return self.default
+            if alias.error:
+                raise ArgumentError(alias.error)
+            raw = alias.text
         try:
             return self._parsed[raw]
         except KeyError:
@@ -162,6 +181,9 @@ ABORT_ON_EXCEPTION = Setting("MPITRAIN_ABORT_ON_EXCEPTION", _parse_bool, True,
 ELASTIC = Setting("MPITRAIN_ELASTIC", _parse_bool, False,
                   "The job runs under ULFM (mpitrain-run --elastic): a failing rank kills "
                   "itself by signal so that the survivors are notified.")
+SUPERVISOR_FD = Setting("MPITRAIN_SUPERVISOR_FD", int, -1,
+                        "Set by mpitrain-run --elastic on every rank: the pipe to the rank's "
+                        "supervisor, which turns an early exit into a rank failure.")
 MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
                   "mpiexec used by mpitrain-run (default: next to python, then PATH).")
 
@@ -183,9 +205,154 @@ OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE"})
 script, read by ``setup.py``."""
 
 
+HOROVOD_LOG_LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warning",
+                      "error": "error", "fatal": "critical"}
+"""Horovod's log levels and the ``MPITRAIN_LOG_LEVEL`` each becomes."""
+
+
+def _same(text: str) -> str | None:
+    return text
+
+
+def _horovod_log_level(text: str) -> str | None:
+    lowered = text.strip().lower()
+    if lowered not in HOROVOD_LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(HOROVOD_LOG_LEVELS)}, got {text!r}")
+    return HOROVOD_LOG_LEVELS[lowered]
+
+
+def _horovod_timeline(text: str) -> str | None:
+    """Horovod's ``DYNAMIC`` only allows ``start_timeline()``, which works here anyway."""
+    return None if text.strip().upper() == "DYNAMIC" else text
+
+
+def _horovod_stall_check_disable(text: str) -> str | None:
+    return "0" if _parse_bool(text) else None
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A Horovod variable that sets one of our settings when ours is not set.
+
+    ``translate`` turns Horovod's text into ours: ``None`` when that value changes
+    nothing, ``ValueError`` when it is not valid.
+    """
+
+    name: str
+    setting: Setting[Any]
+    translate: Callable[[str], str | None] = _same
+    note: str = ""
+
+
+ALIASES: tuple[Alias, ...] = (
+    Alias("HOROVOD_FUSION_THRESHOLD", FUSION_THRESHOLD,
+          note="bytes in both (ours also takes K/M/G)"),
+    Alias("HOROVOD_CYCLE_TIME", CYCLE_TIME_MS, note="milliseconds in both"),
+    Alias("HOROVOD_TIMELINE", TIMELINE, _horovod_timeline,
+          "`DYNAMIC` sets nothing (`hvd.start_timeline()` works without it)"),
+    Alias("HOROVOD_STALL_CHECK_DISABLE", STALL_WARNING_S, _horovod_stall_check_disable,
+          "`1` sets 0 (no warning) and wins over `HOROVOD_STALL_CHECK_TIME_SECONDS`"),
+    Alias("HOROVOD_STALL_CHECK_DISABLE", STALL_TIMEOUT_S, _horovod_stall_check_disable,
+          "`1` sets 0 (no timeout) and wins over `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`"),
+    Alias("HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_WARNING_S, note="seconds in both"),
+    Alias("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", STALL_TIMEOUT_S,
+          note="seconds in both; at the timeout a stalled collective raises `StallError` "
+               "(`MPITRAIN_STALL_ACTION=abort` ends the job)"),
+    Alias("HOROVOD_LOG_LEVEL", LOG_LEVEL, _horovod_log_level,
+          "`trace` becomes `debug`, `fatal` becomes `critical`"),
+)
+"""Horovod's variables that mpitrain reads, in the order they are resolved."""
+
+WITHOUT_COUNTERPART = {
+    "HOROVOD_TIMELINE_MARK_CYCLES": "mpitrain's timeline has no cycle markers",
+    "HOROVOD_CACHE_CAPACITY": "the engine's cache of operation names is not configurable",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "across nodes the selection table picks algorithm "
+                                      "'hierarchical' for large messages; "
+                                      "MPITRAIN_ALGORITHM=hierarchical forces it",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "across nodes the selection table picks algorithm "
+                                      "'hierarchical' for large messages; "
+                                      "MPITRAIN_ALGORITHM=hierarchical forces it",
+    "HOROVOD_AUTOTUNE": "run mpitrain-tune once and set MPITRAIN_TUNING_FILE to its output",
+}
+"""Horovod variables often set that mpitrain does not read, with what to do instead."""
+
+
+def _resolve(alias: Alias, raw: str) -> _AliasValue | None:
+    """``raw`` (the alias's value) in our spelling, checked; ``None`` if it sets nothing."""
+    try:
+        text = alias.translate(raw)
+        if text is None:
+            return None
+        alias.setting.parse(text)
+    except ValueError as exc:
+        return _AliasValue(alias.name, "", f"{alias.name}={raw!r} is not valid: {exc}; fix "
+                                           "or unset it")
+    return _AliasValue(alias.name, text)
+
+
+def resolve_aliases(environ: Mapping[str, str] | None = None) -> list[tuple[int, str]]:
+    """Give each setting the value of its Horovod alias (:data:`ALIASES`) where the
+    alias is set and our variable is not; a setting's earlier alias wins.
+
+    Runs when this module is imported and in ``mt.init()``; :meth:`Setting.get` only
+    reads the result. An alias whose value is not valid makes the setting's ``get()``
+    raise, naming the alias.
+
+    Returns:
+        What to log, as ``(logging level, message)``: each alias in use (INFO), each
+        alias ignored because our variable or an earlier alias is set (WARNING).
+    """
+    env = os.environ if environ is None else environ
+    chosen: dict[str, _AliasValue] = {}
+    messages = []
+    for alias in ALIASES:
+        raw = env.get(alias.name, "")
+        target = alias.setting.name
+        if not raw:
+            continue
+        if env.get(target, ""):
+            messages.append((logging.WARNING, f"{alias.name}={raw!r} is ignored: "
+                             f"{target}={env[target]!r} is set and takes precedence"))
+            continue
+        value = _resolve(alias, raw)
+        if value is None:
+            continue
+        if target in chosen:
+            messages.append((logging.WARNING, f"{alias.name}={raw!r} is ignored: "
+                             f"{chosen[target].name} already sets {target}"))
+            continue
+        chosen[target] = value
+        if not value.error:
+            messages.append((logging.INFO, f"{alias.name}={raw!r} is read as "
+                             f"{target}={value.text!r}"))
+    for setting in ALL_SETTINGS:
+        object.__setattr__(setting, "_alias", chosen.get(setting.name))
+    return messages
+
+
+def _check_horovod(env: Mapping[str, str]) -> list[str]:
+    """Raise for the first alias whose value is not valid; warn for each ``HOROVOD_*``
+    variable that mpitrain does not read."""
+    warnings = []
+    aliased = {alias.name for alias in ALIASES}
+    for name in sorted(n for n in env if n.startswith("HOROVOD_")):
+        if name not in aliased:
+            hint = WITHOUT_COUNTERPART.get(
+                name, "the HOROVOD_* variables that mpitrain reads are in "
+                      "docs/configuration.md")
+            warnings.append(f"{name} has no effect in mpitrain ({hint})")
+            continue
+        for alias in ALIASES:
+            value = _resolve(alias, env[name]) if alias.name == name and env[name] else None
+            if value is not None and value.error:
+                raise ArgumentError(value.error)
+    return warnings
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Parse every ``MPITRAIN_*`` variable that is set; return a warning for each name
-    that mpitrain does not know, with the closest known name.
+    """Parse every ``MPITRAIN_*`` variable and every Horovod alias that is set; return a
+    warning for each name that mpitrain does not know, with the closest known name, and
+    for each ``HOROVOD_*`` variable that has no effect here.
 
     Raises:
         ArgumentError: naming the first variable whose value is not valid.
@@ -209,7 +376,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
             hint = f"did you mean {suffixes[close[0]]}?" if close else \
                 "python -c 'import mpitrain.config as c; print(c.describe())' lists them"
             warnings.append(f"{name} is not an mpitrain setting and is ignored ({hint})")
-    return warnings
+    return warnings + _check_horovod(env)
 
 
 def describe() -> str:
@@ -222,3 +389,4 @@ def describe() -> str:
 
 parse_size = _parse_size
 parse_bool = _parse_bool
+resolve_aliases()

@@ -39,6 +39,11 @@ class StallError(CommunicationError):
     """A collective waited longer than the stall timeout for other ranks."""
 
 
+class ResetRequired(MpitrainError, RuntimeError):
+    """Raised on any rank inside :func:`mpitrain.elastic.run`: every rank recovers, as
+    after the loss of a rank (the others see the default communicator revoked)."""
+
+
 class NotInitializedError(MpitrainError, RuntimeError):
     """A module-level function was called before :func:`mpitrain.init`."""
 

@@ -69,8 +69,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 KILL_AFTER_S = 10.0
 """After passing a signal on, how long ``mpiexec`` has to end the job before every process
 of its session is killed with SIGKILL."""
-LOG_LEVELS = {"TRACE": "debug", "DEBUG": "debug", "INFO": "info", "WARNING": "warning",
-              "ERROR": "error", "FATAL": "critical"}
+LOG_LEVELS = {name.upper(): ours for name, ours in config.HOROVOD_LOG_LEVELS.items()}
 """horovodrun's ``--log-level`` choices and the ``MPITRAIN_LOG_LEVEL`` each becomes."""
 
 

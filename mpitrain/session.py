@@ -23,6 +23,8 @@ from .ops import ReduceOp, Sum
 _default: Communicator | None = None
 _log_handler: logging.Handler | None = None
 log = logging.getLogger("mpitrain")
+_said: set[str] = set()
+"""The messages about the environment this process has logged."""
 
 
 def init(comm: MPI.Intracomm | None = None) -> Communicator:
@@ -39,10 +41,15 @@ def init(comm: MPI.Intracomm | None = None) -> Communicator:
     if _default is None:
         world_rank = MPI.COMM_WORLD.Get_rank()
         unknown = config.check_environment()  # raises on an invalid value, naming it
+        aliases = config.resolve_aliases()  # HOROVOD_* set before init() count too
         configure_logging(world_rank)
-        if world_rank == 0:
-            for warning in unknown:
-                log.warning("mpitrain: %s", warning)
+        # aliases once per process (each rank reads its own environment), unknown names
+        # once, by rank 0
+        for level, message in aliases + [(logging.WARNING, w) for w in unknown
+                                         if world_rank == 0]:
+            if message not in _said:
+                _said.add(message)
+                log.log(level, "mpitrain: %s", message)
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
         if _default.size == MPI.COMM_WORLD.Get_size():  # every rank is here: collective
             exitguard.install()

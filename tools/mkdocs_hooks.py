@@ -2,7 +2,8 @@
 
 * ``<!-- settings-table -->`` in a page becomes the table of every ``MPITRAIN_*``
   setting, built from ``mpitrain.config.ALL_SETTINGS``, so the page cannot fall behind
-  the code.
+  the code; ``<!-- horovod-aliases-table -->`` the table of the ``HOROVOD_*`` variables
+  read as aliases (``mpitrain.config.ALIASES``) and of those that have no effect.
 * ``benchmark-results.md`` is BENCHMARKS.md (which stays at the top of the repository),
   with the plots it shows.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- settings-table -->"
+ALIASES_MARKER = "<!-- horovod-aliases-table -->"
 RESULTS_PAGE = "benchmark-results.md"
 
 
@@ -53,10 +55,24 @@ def settings_table() -> str:
     return "\n".join(rows)
 
 
+def aliases_table() -> str:
+    """The Markdown table of Horovod's variables: the setting each sets, or why none."""
+    config = _config()
+    rows = ["| Horovod variable | mpitrain setting | notes |", "|---|---|---|"]
+    for alias in config.ALIASES:
+        note = alias.note.replace("|", "\\|")
+        rows.append(f"| `{alias.name}` | `{alias.setting.name}` | {note} |")
+    for name, hint in config.WITHOUT_COUNTERPART.items():
+        rows.append(f"| `{name}` | none (warned) | {hint} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Put the settings table where a page asks for it."""
+    """Put the settings and alias tables where a page asks for them."""
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, settings_table())
+    if ALIASES_MARKER in markdown:
+        markdown = markdown.replace(ALIASES_MARKER, aliases_table())
     return markdown
 
 

@@ -37,10 +37,12 @@ import logging
 from typing import Any, Callable, NoReturn, TypeVar
 
 from .. import config, excepthook, session
+from ..errors import ResetRequired
 from .recovery import abandon, rank_failure, rebuild
 from .state import State
 
-__all__ = ["State", "abandon", "leave", "rank_failure", "rebuild", "recover", "run"]
+__all__ = ["ResetRequired", "State", "abandon", "leave", "rank_failure", "rebuild",
+           "recover", "recoverable", "run"]
 
 log = logging.getLogger("mpitrain")
 T = TypeVar("T")
@@ -66,6 +68,12 @@ def recover(state: State) -> None:
     state.on_reset()
 
 
+def recoverable(exc: BaseException) -> bool:
+    """Whether :func:`run` recovers from ``exc``: the loss of a rank (ULFM's errors, also
+    as the cause of another exception) or :class:`~mpitrain.errors.ResetRequired`."""
+    return isinstance(exc, ResetRequired) or rank_failure(exc) is not None
+
+
 def run(func: Callable[..., T]) -> Callable[..., T]:
     """Decorate ``func(state, ...)`` so that it survives the loss of ranks.
 
@@ -87,7 +95,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             except SystemExit as exc:  # sys.exit() inside training: this rank leaves
                 leave(exc)
             except Exception as exc:
-                if rank_failure(exc) is None:
+                if not recoverable(exc):
                     raise
                 log.warning("mpitrain elastic: rank %d lost a peer (%s); recovering",
                             session.rank(), exc)

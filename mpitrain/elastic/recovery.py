@@ -16,22 +16,19 @@ pending and later calls on it fail with ``ERR_REVOKED``. Then every survivor:
 
 After a recovery, ``MPI_Finalize`` at exit can hang: its runtime fence sometimes still
 waits for the dead rank (seen with the Open MPI 5.0.11 wheel in about one job in ten).
-So :func:`exit_after_failure` is registered to run at interpreter exit, before mpi4py
-finalizes MPI: the survivors meet in a barrier (no one leaves while another still
-needs it), flush their output and end the process with ``os._exit(0)``.
+So the exit guard (:func:`mpitrain.comm.exitguard.after_recovery`) holds its barrier
+over the survivors at interpreter exit, before mpi4py finalizes MPI (no one leaves
+while another still needs it), and the process then ends with ``os._exit(0)``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import logging
-import os
-import sys
 from typing import cast
 
 from mpi4py import MPI
 
+from ..comm import exitguard
 from ..communicator import Communicator
 from ..dispatch import Dispatcher
 
@@ -75,36 +72,6 @@ def _revoke(dispatcher: Dispatcher) -> None:
         t.inspector.close(free=False)
 
 
-_survivors: list[MPI.Intracomm] = []  # a duplicate of the newest survivors' communicator
-
-
-def exit_after_failure() -> None:
-    """At exit after a recovery: barrier over the survivors, flush, ``os._exit(0)``.
-
-    Skips ``MPI_Finalize``, whose fence can wait forever for a rank that died. A
-    survivor that reaches normal interpreter exit ends with status 0 (an uncaught
-    exception under ``--elastic`` still kills its rank by signal first).
-    """
-    if not _survivors:
-        return
-    with contextlib.suppress(MPI.Exception):  # another death now: leave all the same
-        _survivors[-1].Barrier()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
-
-
-def _remember(survivors: MPI.Intracomm) -> None:
-    """Keep ``survivors`` (a duplicate of the new communicator) for
-    :func:`exit_after_failure`."""
-    survivors.Set_errhandler(MPI.ERRORS_RETURN)
-    if not _survivors:
-        atexit.register(exit_after_failure)  # runs before mpi4py's MPI_Finalize
-    _survivors[:] = [survivors]
-
-
 def rebuild(old: Communicator) -> Communicator:
     """A new communicator of the survivors of ``old`` (collective over the survivors)."""
     abandon(old)
@@ -128,7 +95,7 @@ def rebuild(old: Communicator) -> Communicator:
             everywhere = False
         if everywhere and comm is not None and survivors is not None:
             shrunk.Free()
-            _remember(survivors)
+            exitguard.after_recovery(survivors)
             return comm
         if comm is not None:
             abandon(comm)

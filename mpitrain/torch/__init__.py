@@ -19,12 +19,16 @@ subset of the ranks on a communicator of their own (:mod:`.process_sets`).
 from __future__ import annotations
 
 from ..trainer.compression import Compression, Compressor
+from . import elastic
 from .checkpoint import load_checkpoint, load_latest_checkpoint, save_checkpoint
 from .mpi_ops import *  # noqa: F403  (the names of mpi_ops.__all__)
 from .mpi_ops import __all__ as _ops_names
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     *_ops_names, "Compression", "Compressor", "DistributedOptimizer", "broadcast_optimizer_state",
+    "elastic",
     "broadcast_parameters", "load_checkpoint", "load_latest_checkpoint", "save_checkpoint",
+    "SyncBatchNorm",
 ]

@@ -31,6 +31,7 @@ from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
 from . import process_sets as _sets
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .sparse import start_sparse_allreduce
 from .tensors import as_buffer, from_buffer
 
 Average = ReduceOp.AVERAGE
@@ -543,6 +544,21 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
+# -- sparse allreduce -------------------------------------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> int:
+    """Start an allreduce of a sparse COO tensor: every rank's indices and values are
+    allgathered (:mod:`.sparse`); returns a handle whose :func:`synchronize` gives the
+    coalesced sparse sum, its values divided by the rank count for ``op=Average``.
+
+    The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
+    and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
+    """
+    handles, finish = start_sparse_allreduce(_comm(process_set), tensor, name, op)
+    return _register(handles, finish)
+
+
 # -- allgather, broadcast, reducescatter ----------------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
@@ -907,5 +923,6 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
-    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline",
+    "synchronize",
 ]

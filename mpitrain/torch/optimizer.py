@@ -31,7 +31,8 @@ from ..trainer.compression import Compression
 from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
 from .checkpoint import TENSORS
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
-from .tensors import as_buffer, from_buffer
+from .sparse import start_sparse_allreduce
+from .tensors import as_buffer
 
 
 class TensorBridge:
@@ -65,7 +66,8 @@ class TensorBridge:
 
 
 class TensorReducer(GradientReducer[torch.Tensor]):
-    """The reducer with Horovod's sparse path: a sparse gradient is allgathered."""
+    """The reducer with Horovod's sparse path: a sparse gradient is allgathered
+    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`)."""
 
     def submit(self, group: list[torch.Tensor], grads: list[Any]) -> Submitted:
         """Allgather sparse gradients (indices and values); allreduce dense ones."""
@@ -75,23 +77,11 @@ class TensorReducer(GradientReducer[torch.Tensor]):
             raise ArgumentError("sparse gradients cannot be in a group; pass "
                                 "sparse_as_dense=True or leave them out of groups")
         if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ArgumentError(f"sparse gradients support op=Sum/Average, not {self.op!r}")
-        grad = grads[0].coalesce()
-        name = f"grad.{self._names[id(group[0])]}"
-        indices = self.comm.allgather_async(as_buffer(grad.indices().t().contiguous()),
-                                            f"{name}.indices")
-        values = self.comm.allgather_async(as_buffer(grad.values().contiguous()),
-                                           f"{name}.values")
-        average = self.op is ReduceOp.AVERAGE
-
-        def collect() -> list[Any]:
-            vals = from_buffer(values.wait())
-            idx = from_buffer(indices.wait()).t()
-            if average:
-                vals = vals / self.comm.size
-            return [torch.sparse_coo_tensor(idx, vals, grad.shape,
-                                            check_invariants=True).coalesce()]
-        return Submitted(list(group), [None], [indices, values], collect)
+            raise ArgumentError(f"sparse gradients support op=Sum/Average, not {self.op!r}; "
+                                "pass sparse_as_dense=True for other ops")
+        handles, finish = start_sparse_allreduce(self.comm, grads[0],
+                                                 f"grad.{self._names[id(group[0])]}", self.op)
+        return Submitted(list(group), [None], handles, lambda: [finish()])
 
 
 class DeltaBridge(TensorBridge):
@@ -190,6 +180,11 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         else:
             self._named = None
         self._hooked: set[int] = set()
+        self._build()
+
+    def rebind(self) -> None:
+        """Rebuild the gradient reducer over the default communicator as it is now (after
+        an elastic reset changed it); allreduces in flight on the old one are dropped."""
         self._build()
 
     def _build(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ sys.path.insert(0, str(JOBS))
 import train as job  # the job's data, gradient and constants
 
 TIMEOUT_S = 150.0
+HVD_TIMEOUT_S = 400.0  # 4 ranks importing torch on a small, shared machine
 
 
 def reference(params: np.ndarray, first: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -32,17 +34,21 @@ def reference(params: np.ndarray, first: int) -> tuple[list[np.ndarray], np.ndar
     return grads, w
 
 
+def kill_victim(proc: subprocess.Popen[str], pid_file: Path, deadline: float) -> None:
+    """Wait for the victim rank to write its pid to ``pid_file``, then ``kill -9`` it."""
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the victim never reached its step"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> None:
     victim, victim_step = 2, 9
     started = time.monotonic()
     proc = start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"), str(tmp_path),
                            "--victim", str(victim), str(victim_step)]))
-    pid_file = tmp_path / "victim.pid"
-    while not (pid_file.exists() and pid_file.read_text()):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() - started < TIMEOUT_S, "the victim never reached its step"
-        time.sleep(0.05)
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    kill_victim(proc, tmp_path / "victim.pid", started + TIMEOUT_S)
     result = finish(proc, TIMEOUT_S, started)
     assert result.rc == 0, result.out
     logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 3)}
@@ -96,3 +102,55 @@ def test_uncaught_exception_kills_only_that_rank(tmp_path: Path) -> None:
         log = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [r["step"] for r in log["resumed"]] == [16] and log["size"] == 3
         np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["os_exit", "return"])
+def test_a_rank_that_leaves_without_an_exception_is_a_rank_failure(tmp_path: Path,
+                                                                   how: str) -> None:
+    """``os._exit(1)`` (no Python hook runs: its supervisor, run_rank, turns the exit into
+    a death by signal) and a return from the script while the others still train (the
+    exit guard sees them wait for it): the others recover and finish."""
+    flag = ["--os-exit-at", "2", "10", "1"] if how == "os_exit" else ["--return-at", "2", "10"]
+    result = finish(start(launcher(["-np", "4", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), *flag])), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    if how == "os_exit":
+        assert "rank 2 (pid" in result.out and "exited with code 1" in result.out
+    else:
+        assert "mpitrain: rank 2 is exiting after collective #" in result.out
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in (0, 1, 3):
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["step"] for r in log["resumed"]] == [10] and log["size"] == 3
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+    assert not (tmp_path / "rank2.json").exists()
+
+
+def test_horovod_elastic_script_survives_kill_9(tmp_path: Path) -> None:
+    """hvd.elastic.run + TorchState + ElasticSampler under ``--elastic -np 4``: one rank is
+    killed mid-epoch; the 3 survivors end with equal parameters, and every sample of
+    each epoch went into exactly one committed step (padding aside: the samples left at
+    the reset, split over 3 ranks, are padded to a multiple of 3)."""
+    sys.path.insert(0, str(JOBS))
+    import hvd_elastic as hjob
+
+    victim, victim_step = 2, 3
+    started = time.monotonic()
+    proc = start(launcher(["-np", "4", "--elastic", str(JOBS / "hvd_elastic.py"),
+                           str(tmp_path), "--victim", str(victim), str(victim_step)]))
+    kill_victim(proc, tmp_path / "victim.pid", started + HVD_TIMEOUT_S)
+    result = finish(proc, HVD_TIMEOUT_S, started)
+    assert result.rc == 0, result.out
+    assert not (tmp_path / f"rank{victim}.json").exists()
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 3)]
+    for log in logs:
+        assert log["size"] == 3 and log["resets"] == [3], log
+        np.testing.assert_array_equal(log["params"], logs[0]["params"])
+        assert log["counts"] == logs[0]["counts"]
+    counts = np.array(logs[0]["counts"])
+    assert counts.shape == (hjob.EPOCHS, hjob.SAMPLES)
+    assert counts.min() == 1, "a sample of an epoch never went into a committed step"
+    extra = counts.sum(axis=1) - hjob.SAMPLES
+    assert extra[1] == 0, "the second epoch, all at 3 ranks after the reset, has no padding"
+    assert 0 <= extra[0] <= 2 and (counts[0] == 2).sum() == extra[0], counts[0]
+    assert counts.max() <= 2

@@ -161,3 +161,52 @@ def test_budget_cuts_repetitions_but_not_below_three() -> None:
     assert common.MIN_ITERS <= len(times[("a", False)]) <= 6
     times = common.time_calls({("a", False): slow}, iters=4, warmup=1, barrier=lambda: None)
     assert len(times[("a", False)]) == 4
+
+
+def _train_doc(ranks: int, idle_wait: str, ok: bool) -> dict[str, Any]:
+    rows = [{"model": "mlp", "params": 14_753_280, "tensors": 8, "impl": impl, "step_ms": t,
+             "samples_per_s": 32 * n / t * 1e3, "scaling": 50.0 / t,
+             "difference": float("nan") if impl == "1 rank" else 2e-6,
+             "ok": impl == "1 rank" or ok}
+            for impl, t, n in (("1 rank", 50.0, 1), ("mpitrain", 80.0, ranks),
+                               ("ddp", 100.0, ranks))]
+    return {"case": "train", "command": f"mpirun -np {ranks} python -m benchmarks train",
+            "machine": {"ranks": ranks, "cpus": 2, "idle_wait": idle_wait},
+            "settings": {"batch": 32, "rounds": 3, "steps": 10, "compression": "none"},
+            "results": rows}
+
+
+def test_report_puts_busy_polling_first_with_targets_per_setup(tmp_path: Any) -> None:
+    """One section per setup, busy-polling (the headline) before yielding, each with its
+    own targets table; the training runs fill {{train}} and are not collectives."""
+    mib = 1 << 20
+    times = {"mpitrain": {16 * mib: 1000.0}, "mpi": {16 * mib: 2000.0}}
+    for ranks, wait, slower in ((2, "busy-poll", 1.0), (4, "yield", 1.6)):
+        doc = _doc("allreduce", ranks, list(times), times, f"cmd-np{ranks}")
+        doc["machine"].update(idle_wait=wait, cpus=2)
+        doc["results"] = [dict(r, time_us=r["time_us"] * (slower if r["impl"] == "mpitrain"
+                                                          else 1.0)) for r in doc["results"]]
+        (tmp_path / f"allreduce-np{ranks}.json").write_text(json.dumps(doc))
+    (tmp_path / "train-np2.json").write_text(json.dumps(_train_doc(2, "busy-poll", True)))
+    (tmp_path / "train-np4-fp16.json").write_text(json.dumps(_train_doc(4, "yield", False)))
+    template = tmp_path / "BENCHMARKS.template.md"
+    template.write_text("# Benchmarks\n\n{{results}}\n\n## Training\n\n{{train}}\n")
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(tmp_path), "-t", str(template), "-o", str(out)]) == 0
+    text = out.read_text()
+    busy = text.index("## 2 ranks on 2 cores, busy-polling (plain `mpirun -np 2`)")
+    yielding = text.index("## 4 ranks on 2 cores, yielding (`--mca mpi_yield_when_idle 1`)")
+    assert busy < yielding < text.index("## Training")
+    assert text.count("### Targets") == 2
+    assert text.index("| allreduce >= 16 MiB: busbw >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 "
+                      "| yes |") < yielding
+    assert text.index("| allreduce >= 16 MiB: busbw >= 1.5x native | 4 | 1.25 (16 MiB) | 1.50 "
+                      "| no, 83% of the goal |") > yielding
+    assert "### train" not in text and "cmd-np2" in text
+    training = text[text.index("## Training"):]
+    assert training.index("### 2 ranks on 2 cores, busy-polling") \
+        < training.index("### 4 ranks on 2 cores, yielding")
+    assert "| mlp | 14.75 M (8) | mpitrain | 80.0 ms | 800.0 | 0.62 | 1.25 | 2.0e-06 | OK |" \
+        in training
+    assert "| mlp | 14.75 M (8) | 1 rank | 50.0 ms | 640.0 | 1.00 | - | - | - |" in training
+    assert "| 2.0e-06 | FAILED |" in training

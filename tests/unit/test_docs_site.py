@@ -55,6 +55,16 @@ def test_the_configuration_page_shows_the_table_and_the_other_variables() -> Non
             f"docs/configuration.md does not say where {setting.name} is explained"
 
 
+def test_the_configuration_page_shows_every_horovod_alias() -> None:
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert _hooks().ALIASES_MARKER in page
+    table = _hooks().aliases_table()
+    for alias in config.ALIASES:
+        assert f"| `{alias.name}` | `{alias.setting.name}` |" in table
+    for name in config.WITHOUT_COUNTERPART:
+        assert f"| `{name}` | none (warned) |" in table
+
+
 def test_every_variable_the_pages_name_exists() -> None:
     known = {s.name for s in config.ALL_SETTINGS} | config.OTHER_NAMES | MISSPELT
     for page, text in _pages().items():

@@ -1,9 +1,10 @@
 """A rank that dies of an uncaught exception, or exits, while the others are in collectives.
 
-Usage: crash.py OUT_DIR RANK [thread | exit CODE [async]]
+Usage: crash.py OUT_DIR RANK [thread | exit CODE [async] | os_exit CODE]
 
 RANK raises ValueError at step 5 (in a thread of its own with ``thread``; with ``exit``
-it calls ``sys.exit(CODE)`` instead), after writing the time to ``OUT_DIR/raised``;
+it calls ``sys.exit(CODE)`` instead, with ``os_exit`` ``os._exit(CODE)``), after
+writing the time to ``OUT_DIR/raised``;
 every rank reduces every 10 ms meanwhile (through the async engine with ``async``).
 """
 
@@ -26,7 +27,8 @@ def fail(step: int) -> None:
 def main() -> None:
     out, victim = sys.argv[1], int(sys.argv[2])
     in_thread = sys.argv[3:4] == ["thread"]
-    exit_code = int(sys.argv[4]) if sys.argv[3:4] == ["exit"] else None
+    exit_code = int(sys.argv[4]) if sys.argv[3:4] in (["exit"], ["os_exit"]) else None
+    exit_now = os._exit if sys.argv[3:4] == ["os_exit"] else sys.exit
     in_engine = sys.argv[5:6] == ["async"]
     comm = mt.init()
     x = np.ones(100)
@@ -35,7 +37,7 @@ def main() -> None:
             with open(os.path.join(out, "raised"), "w") as f:
                 f.write(repr(time.time()))
             if exit_code is not None:
-                sys.exit(exit_code)
+                exit_now(exit_code)
             if in_thread:
                 worker = threading.Thread(target=fail, args=(step,), name="loader")
                 worker.start()

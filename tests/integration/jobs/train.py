@@ -1,14 +1,18 @@
 """Least-squares training under mpitrain.elastic, with a rank that fails on request.
 
 Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP]
-                       [--exit-at RANK STEP CODE] [--checkpoint DIR] [--async]
+                       [--exit-at RANK STEP CODE] [--os-exit-at RANK STEP CODE]
+                       [--return-at RANK STEP] [--checkpoint DIR] [--async]
 
 Every step reduces the gradient of a fixed global batch of ``BATCH`` samples, split
 over however many ranks there are, so the trajectory does not depend on the rank
 count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
 waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
 STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0); ``--exit-at``:
-that rank calls ``sys.exit(CODE)`` there instead. ``--async``
+that rank calls ``sys.exit(CODE)`` there instead, ``--os-exit-at`` ``os._exit(CODE)``,
+and ``--return-at`` leaves the training function and the script there (both after
+writing the time to ``OUT_DIR/exited``) (every rank that reaches a step after a
+recovery appends the time to ``OUT_DIR/recovered<r>``). ``--async``
 reduces through the async engine (``allreduce_async``). Each rank
 that finishes writes ``OUT_DIR/rank<r>.json``: the step it started from, the states it
 resumed from after failures, the gradient of every step with the rank count that
@@ -50,6 +54,8 @@ def main() -> None:
     p.add_argument("--victim", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--raise-at", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--exit-at", type=int, nargs=3, default=(-1, -1, 0))
+    p.add_argument("--os-exit-at", type=int, nargs=3, default=(-1, -1, 0))
+    p.add_argument("--return-at", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--checkpoint")
     p.add_argument("--async", dest="use_async", action="store_true")
     args = p.parse_args()
@@ -57,7 +63,7 @@ def main() -> None:
     x, y = data()
     first_rank = mt.init().rank
     state = mt.elastic.State(params=np.zeros(DIM), step=0, checkpoint=args.checkpoint)
-    log: dict[str, Any] = {"resumed": [], "steps": [], "started": None}
+    log: dict[str, Any] = {"resumed": [], "steps": [], "started": None, "returned": False}
     state.register_reset_callbacks([lambda: log["resumed"].append(
         {"step": state.step, "params": state.params.tolist(), "size": mt.size()})])
 
@@ -75,6 +81,15 @@ def main() -> None:
                 raise RuntimeError(f"rank {first_rank} fails at step {state.step} on purpose")
             if (first_rank, state.step) == tuple(args.exit_at[:2]) and attempt == 0:
                 sys.exit(args.exit_at[2])
+            if (first_rank, state.step) == tuple(args.os_exit_at[:2]) and attempt == 0:
+                with open(os.path.join(args.out, "exited"), "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(args.os_exit_at[2])
+            if (first_rank, state.step) == tuple(args.return_at) and attempt == 0:
+                with open(os.path.join(args.out, "exited"), "w") as f:
+                    f.write(repr(time.time()))
+                log["returned"] = True
+                return
             lo = state.step * BATCH
             rows = np.array_split(np.arange(lo, lo + BATCH), comm.size)[comm.rank]
             local = gradient(x[rows], y[rows], state.params)
@@ -83,11 +98,16 @@ def main() -> None:
             else:
                 g = comm.allreduce(local, op=mt.Sum) / BATCH
             log["steps"].append({"step": state.step, "size": comm.size, "grad": g.tolist()})
+            if log["resumed"] and log["steps"][-2]["size"] != comm.size:
+                with open(os.path.join(args.out, f"recovered{first_rank}"), "a") as f:
+                    f.write(f"{time.time()!r}\n")
             state.params -= LR * g
             state.step += 1
             state.commit()
 
     train(state)
+    if log["returned"]:
+        return  # this rank leaves while the others train on
     log["final"] = state.params.tolist()
     log["size"] = mt.size()
     with open(os.path.join(args.out, f"rank{first_rank}.json"), "w") as f:

@@ -1,0 +1,464 @@
+"""The ``train`` case: whole training steps with ``mpitrain.torch`` against torch DDP.
+
+``python -m benchmarks train [--model mlp,convnet] [--batch 32] [--steps 10] [--rounds 3]``
+
+One job trains the same torch model three ways, from the same initial parameters
+(seeded, then broadcast from rank 0) and on the same synthetic batches (a different
+batch per rank and step, generated outside the timed region):
+
+* ``mpitrain``: ``hvd.DistributedOptimizer`` around SGD with momentum
+  (``import mpitrain.torch as hvd``), ``hvd.broadcast_parameters`` first;
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over torch.distributed's
+  gloo backend, started inside the same MPI job (rank 0 picks the TCP port and
+  broadcasts it with mpi4py, :mod:`.gloo`);
+* ``1 rank``: plain SGD on rank 0 alone, the baseline of the scaling efficiency; the
+  other ranks wait in an ``Ibarrier`` that they poll with 1 ms sleeps, so they leave
+  the cores to rank 0.
+
+After ``--warmup`` untimed steps of each, ``--rounds`` rounds run ``--steps`` timed steps
+of each implementation in turn (``1 rank`` first, then mpitrain and DDP, their order
+swapped every round). A step is ``zero_grad``, forward, loss, backward and
+``step()``, timed on its own with ``time.perf_counter``; the step time reported is the
+maximum over ranks of each rank's median. ``samples/s`` is ``ranks * batch / step``;
+the scaling efficiency is the one-rank step time over the step time (the per-rank
+batch is fixed: weak scaling), 1.0 for perfect scaling.
+
+Verification: mpitrain and DDP took the same steps on the same data, so their
+parameters must agree at the end. The measure is the norm of their difference over
+the norm of DDP's total update (:func:`update_difference`), max over ranks, against a
+tolerance that depends on the compression. A larger difference, or no update at all,
+is a failure: the row says ``FAILED`` and the job exits with 1.
+
+Both models use SiLU, not ReLU: with ReLU's kink, the last-bit differences that a
+different summation order leaves in an average (DDP and mpitrain add the ranks'
+gradients in different orders) can send the two trainings of the ConvNet apart by
+percents within a few steps, even with plain float32 sums in two orders and no
+communication library at all; a smooth activation keeps them within about 1e-5.
+
+Every rank runs ``torch.set_num_threads(1)``: one core per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mpitrain.torch as hvd
+
+from . import gloo
+from .common import OneRankParser, command_line, machine_info
+
+MODELS = ("mlp", "convnet")
+IMPLS = ("1 rank", "mpitrain", "ddp")
+TOLERANCE = {"none": 1e-4, "fp16": 2e-2}
+"""Largest accepted :func:`update_difference` per compression."""
+
+MLP_WIDTH, MLP_LAYERS = 1920, 4
+CONV_WIDTH, CONV_IMAGE, CONV_CLASSES = 32, 16, 10
+SMALL_MLP_WIDTH, SMALL_CONV_WIDTH, SMALL_CONV_IMAGE = 64, 4, 16
+# ConvNet stages: (channels as multiples of the width, stride) of each 3x3 convolution.
+CONV_LAYERS = ((1, 1), (1, 1), (1, 1), (2, 2), (2, 1), (2, 1), (2, 1), (4, 2), (4, 1), (4, 1),
+               (4, 1), (8, 2), (8, 1))
+IDLE_POLL_S = 0.001
+
+
+# -- options --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainOptions:
+    """The parsed command line of the train case."""
+
+    models: list[str]
+    batch: int
+    steps: int
+    rounds: int
+    warmup: int
+    fp16: bool
+    small: bool
+    lr: float
+    momentum: float
+    seed: int
+    json: str | None
+    perturb: float = 0.0
+
+    @property
+    def compression(self) -> str:
+        """``fp16`` or ``none``: how gradients travel."""
+        return "fp16" if self.fp16 else "none"
+
+
+def _models(text: str) -> list[str]:
+    return list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+
+
+def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
+    """Parse and check the command line of ``python -m benchmarks train``."""
+    p = OneRankParser(quiet, prog="python -m benchmarks train",
+                      description="Time and verify whole training steps: mpitrain.torch's "
+                                  "DistributedOptimizer against torch DDP (gloo), and one "
+                                  "rank alone. Run under mpirun.")
+    p.add_argument("--model", type=_models, default=list(MODELS),
+                   help="comma list of models: mlp (4 Linear 1920x1920, 14.7 M parameters "
+                        "in 8 tensors), convnet (13 conv + GroupNorm layers, 1.55 M "
+                        "parameters in 41 tensors); default both")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed steps per implementation and round (default 10)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of interleaved blocks (default 3)")
+    p.add_argument("-w", "--warmup", type=int, default=2,
+                   help="untimed steps of each implementation first (default 2)")
+    p.add_argument("--fp16", action="store_true",
+                   help="compress gradients to float16: hvd.Compression.fp16 and DDP's "
+                        "fp16_compress_hook")
+    p.add_argument("--small", action="store_true",
+                   help="small versions of the models (a quick check of the whole path)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--seed", type=int, default=1, help="seed of parameters and data (default 1)")
+    p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
+    # Scales mpitrain's loss on the last rank by 1 + F: the check must then fail.
+    p.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    bad = [m for m in a.model if m not in MODELS]
+    if bad or not a.model:
+        p.error(f"--model takes a comma list of {', '.join(MODELS)}, got {','.join(a.model)}")
+    if a.batch < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0:
+        p.error(f"need --batch, --steps, --rounds >= 1 and --warmup >= 0, got --batch "
+                f"{a.batch} --steps {a.steps} --rounds {a.rounds} --warmup {a.warmup}")
+    return TrainOptions(a.model, a.batch, a.steps, a.rounds, a.warmup, a.fp16, a.small, a.lr,
+                        a.momentum, a.seed, a.json, a.perturb)
+
+
+# -- models and data ------------------------------------------------------------------
+def build_model(name: str, small: bool = False) -> nn.Module:
+    """The model ``name`` (``mlp`` or ``convnet``), full size or ``small``."""
+    if name == "mlp":
+        width = SMALL_MLP_WIDTH if small else MLP_WIDTH
+        layers: list[nn.Module] = []
+        for i in range(MLP_LAYERS):
+            layers += [nn.Linear(width, width)] + ([nn.SiLU()] if i < MLP_LAYERS - 1 else [])
+        return nn.Sequential(*layers)
+    if name == "convnet":
+        width = SMALL_CONV_WIDTH if small else CONV_WIDTH
+        layers, channels = [], 3
+        for multiple, stride in CONV_LAYERS:
+            out = multiple * width
+            layers += [nn.Conv2d(channels, out, 3, stride, 1, bias=False),
+                       nn.GroupNorm(min(8, out), out), nn.SiLU()]
+            channels = out
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, CONV_CLASSES)]
+        return nn.Sequential(*layers)
+    raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
+
+
+def make_batch(name: str, small: bool, batch: int, seed: int, rank: int,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The synthetic inputs and class labels of ``rank`` at ``step``: the same on every
+    call with the same arguments, different for every rank and step."""
+    gen = torch.Generator().manual_seed(((seed * 1_000_003 + rank) * 1_000_003) + step)
+    if name == "mlp":
+        width = SMALL_MLP_WIDTH if small else MLP_WIDTH
+        return (torch.randn(batch, width, generator=gen),
+                torch.randint(0, width, (batch,), generator=gen))
+    image = SMALL_CONV_IMAGE if small else CONV_IMAGE
+    return (torch.randn(batch, 3, image, image, generator=gen),
+            torch.randint(0, CONV_CLASSES, (batch,), generator=gen))
+
+
+# -- the three trainers ---------------------------------------------------------------
+class Trainer:
+    """One implementation's model and optimizer; :meth:`step` is one timed step."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, loss_scale: float = 1.0) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_scale = loss_scale
+        self.steps_done = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """zero_grad, forward, loss, backward and the optimizer's step."""
+        self.optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        if self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
+        loss.backward()
+        self.optimizer.step()
+        self.steps_done += 1
+
+
+def sgd(model: nn.Module, opts: TrainOptions) -> torch.optim.SGD:
+    """The optimizer every implementation wraps or uses."""
+    return torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
+
+
+def mpitrain_trainer(model: nn.Module, opts: TrainOptions, last_rank: bool) -> Trainer:
+    """``hvd.DistributedOptimizer`` over SGD, after ``hvd.broadcast_parameters``."""
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    compression = hvd.Compression.fp16 if opts.fp16 else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(sgd(model, opts),
+                                         named_parameters=model.named_parameters(),
+                                         compression=compression)
+    return Trainer(model, optimizer, 1.0 + opts.perturb if last_rank else 1.0)
+
+
+def ddp_trainer(model: nn.Module, opts: TrainOptions) -> Trainer:
+    """``DistributedDataParallel`` (gloo) with SGD on the wrapped model's parameters."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    if opts.fp16:
+        ddp.register_comm_hook(state=None, hook=fp16_compress_hook)
+    return Trainer(ddp, sgd(ddp, opts))
+
+
+# -- timing ---------------------------------------------------------------------------
+def block_order(round_index: int) -> list[str]:
+    """The implementations of one round, in the order they run: ``1 rank`` first, then
+    mpitrain and ddp, swapped every other round."""
+    pair = ["mpitrain", "ddp"] if round_index % 2 == 0 else ["ddp", "mpitrain"]
+    return ["1 rank", *pair]
+
+
+def timed_steps(trainer: Trainer, steps: int,
+                batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Run ``steps`` steps, each on the batch of its step number; seconds per step."""
+    times = []
+    for _ in range(steps):
+        x, y = batch_of(trainer.steps_done)
+        start = time.perf_counter()
+        trainer.step(x, y)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def idle_barrier(world: MPI.Intracomm) -> None:
+    """A barrier that waits in 1 ms sleeps instead of polling, leaving the cores free."""
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(IDLE_POLL_S)
+
+
+def samples_per_second(batch: int, ranks: int, step_s: float) -> float:
+    """Samples trained per second by ``ranks`` ranks of ``batch`` samples per step."""
+    return ranks * batch / step_s
+
+
+def scaling_efficiency(one_rank_s: float, step_s: float) -> float:
+    """Weak-scaling efficiency: the one-rank step time over the step time at N ranks
+    (the per-rank batch is fixed), 1.0 when adding ranks costs nothing."""
+    return one_rank_s / step_s
+
+
+def update_difference(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor],
+                      start: Sequence[torch.Tensor]) -> float:
+    """``||ours - theirs|| / ||theirs - start||`` over all parameters: how far two
+    trainings from ``start`` ended apart, relative to how far they moved.
+
+    ``inf`` if ``theirs`` did not move; ``nan`` if a parameter is not finite.
+    """
+    diff = math.sqrt(sum(float((a.double() - b.double()).square().sum())
+                         for a, b in zip(ours, theirs, strict=True)))
+    moved = math.sqrt(sum(float((b.double() - s.double()).square().sum())
+                          for b, s in zip(theirs, start, strict=True)))
+    if math.isnan(diff) or math.isnan(moved) or math.isinf(diff) or math.isinf(moved):
+        return math.nan
+    return diff / moved if moved > 0 else math.inf
+
+
+def matches(difference: float, tolerance: float) -> bool:
+    """True if :func:`update_difference` is finite and within ``tolerance``."""
+    return math.isfinite(difference) and difference <= tolerance
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One row: a model trained by one implementation."""
+
+    model: str
+    params: int
+    tensors: int
+    batch: int
+    ranks: int
+    compression: str
+    impl: str
+    step_ms: float
+    step_min_ms: float
+    step_max_ms: float
+    samples_per_s: float
+    scaling: float
+    steps: int
+    difference: float
+    ok: bool
+
+
+def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainResult]:
+    """Train ``name`` with every implementation, interleaved; time and verify
+    (collective over ``world``; every rank returns the same rows)."""
+    rank, nranks = world.Get_rank(), world.Get_size()
+    torch.manual_seed(opts.seed)
+    initial = build_model(name, opts.small)
+    start = [p.detach().clone() for p in initial.parameters()]
+    trainers = {"mpitrain": mpitrain_trainer(copy.deepcopy(initial), opts, rank == nranks - 1),
+                "ddp": ddp_trainer(copy.deepcopy(initial), opts)}
+    if rank == 0:
+        alone = copy.deepcopy(initial)
+        trainers["1 rank"] = Trainer(alone, sgd(alone, opts))
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_batch(name, opts.small, opts.batch, opts.seed, rank, step)
+
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for round_index in range(-1 if opts.warmup else 0, opts.rounds):
+        steps = opts.warmup if round_index < 0 else opts.steps
+        for impl in block_order(max(round_index, 0)):
+            if impl == "1 rank":  # rank 0 alone, the others asleep
+                done = timed_steps(trainers[impl], steps, batch_of) if rank == 0 else []
+                idle_barrier(world)
+            else:
+                world.Barrier()
+                done = timed_steps(trainers[impl], steps, batch_of)
+            if round_index >= 0:
+                times[impl] += done
+    ours = [p.detach() for p in trainers["mpitrain"].model.parameters()]
+    theirs = [p.detach() for p in trainers["ddp"].model.parameters()]
+    differences = world.allgather(update_difference(ours, theirs, start))
+    difference = math.nan if any(math.isnan(d) for d in differences) else max(differences)
+    ok = matches(difference, TOLERANCE[opts.compression])
+    # median, min, max per implementation; the 1-rank times are rank 0's (0 elsewhere)
+    stats = np.array([[statistics.median(t), min(t), max(t)] if t else [0.0, 0.0, 0.0]
+                      for t in times.values()])
+    world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
+    params = list(initial.parameters())
+    count, tensors = sum(p.numel() for p in params), len(params)
+    one_rank_s = stats[0][0]
+    rows = []
+    for impl, (median, fastest, longest) in zip(times, stats):
+        one = impl == "1 rank"
+        ranks = 1 if one else nranks
+        rows.append(TrainResult(name, count, tensors, opts.batch, ranks,
+                                "-" if one else opts.compression, impl,
+                                median * 1e3, fastest * 1e3, longest * 1e3,
+                                samples_per_second(opts.batch, ranks, median),
+                                scaling_efficiency(one_rank_s, median),
+                                opts.steps * opts.rounds, math.nan if one else difference,
+                                True if one else ok))
+    return rows
+
+
+# -- the table ------------------------------------------------------------------------
+HEADER = ("#{:>8} {:>9} {:>7} {:>7} {:>5} {:>8} {:>9} | {:>9} {:>9} {:>9} {:>10} {:>7} "
+          "{:>8} | {:>9} {:>6}")
+
+
+def table_header() -> list[str]:
+    """The column titles and units."""
+    return [HEADER.format("model", "params", "tensors", "batch", "ranks", "compress", "impl",
+                          "step", "min", "max", "samples/s", "scaling", "ddp/impl",
+                          "rel.diff", "check"),
+            HEADER.format("", "", "", "(/rank)", "", "", "", "(ms)", "(ms)", "(ms)", "", "",
+                          "", "", "")]
+
+
+def table_rows(rows: Sequence[TrainResult]) -> list[str]:
+    """The lines of one model: one per implementation; ``ddp/impl`` is DDP's step time
+    over this row's (above 1: faster than DDP); ``rel.diff`` is
+    :func:`update_difference` of mpitrain against DDP."""
+    ddp = next((r for r in rows if r.impl == "ddp"), None)
+    lines = []
+    for r in rows:
+        one = r.impl == "1 rank"
+        lines.append(HEADER.format(
+            r.model, r.params, r.tensors, r.batch, r.ranks, r.compression, r.impl,
+            f"{r.step_ms:.2f}", f"{r.step_min_ms:.2f}", f"{r.step_max_ms:.2f}",
+            f"{r.samples_per_s:.1f}", f"{r.scaling:.2f}",
+            f"{ddp.step_ms / r.step_ms:.2f}" if ddp and not one else "N/A",
+            "N/A" if one else f"{r.difference:.2e}",
+            "-" if one else ("OK" if r.ok else "FAILED")).replace("#", " ", 1))
+    return lines
+
+
+def verification_lines(results: Sequence[TrainResult], tolerance: float) -> list[str]:
+    """The closing lines: per model the verification, then the count of failures."""
+    lines = []
+    failed = 0
+    for r in results:
+        if r.impl != "mpitrain":
+            continue
+        failed += not r.ok
+        lines.append(f"# Verification {r.model:>8} : |mpitrain - ddp| / |ddp update| = "
+                     f"{r.difference:.2e} after {r.steps} timed steps (tolerance "
+                     f"{tolerance:g}): {'OK' if r.ok else 'FAILED'}")
+    lines.append(f"# Mismatched models : {failed} {'OK' if failed == 0 else 'FAILED'}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the train case; 0 if mpitrain and DDP ended with the same parameters, else 1."""
+    args = list(sys.argv[2:] if argv is None else argv)
+    world = MPI.COMM_WORLD.Dup()
+    rank, nranks = world.Get_rank(), world.Get_size()
+    opts = parse_args(args, quiet=rank != 0)
+    torch.set_num_threads(1)
+    hvd.init()
+    dist = gloo.init(world)
+    command = command_line(["train", *args], nranks)
+    machine = {**machine_info(world), "torch": torch.__version__}
+
+    def emit(lines: Sequence[str]) -> None:
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+
+    emit([f"# mpitrain benchmark: train ({', '.join(opts.models)}"
+          f"{', small' if opts.small else ''})",
+          f"# command   : {command}",
+          f"# MPI       : {machine['mpi_library']}; idle ranks {machine['idle_wait']}",
+          f"# ranks     : {nranks} on {', '.join(machine['hosts'])}, {machine['cpus']} cpus, "
+          "1 torch thread each",
+          f"# versions  : python {machine['python']}, torch {machine['torch']}, "
+          f"mpitrain {machine['mpitrain']}",
+          f"# training  : SGD lr {opts.lr:g} momentum {opts.momentum:g}, cross-entropy on "
+          f"synthetic data, seed {opts.seed}; gradients {opts.compression}",
+          f"# impls     : mpitrain = hvd.DistributedOptimizer; ddp = DistributedDataParallel "
+          f"(gloo, torch {torch.__version__}); 1 rank = plain SGD on rank 0 alone",
+          f"# timing    : {opts.warmup} warm-up + {opts.rounds} rounds x {opts.steps} steps "
+          "of each, blocks interleaved (1 rank, mpitrain, ddp; the last two swapped every "
+          "round); step = max over ranks of each rank's median; scaling = 1-rank step / step",
+          "#", *table_header()])
+    results: list[TrainResult] = []
+    for name in opts.models:
+        rows = measure(opts, name, world)
+        results += rows
+        emit(table_rows(rows))
+    emit(verification_lines(results, TOLERANCE[opts.compression]))
+    if rank == 0 and opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"case": "train", "command": command, "machine": machine,
+                       "settings": {**asdict(opts), "compression": opts.compression,
+                                    "tolerance": TOLERANCE[opts.compression]},
+                       "timing": "step_ms = max over ranks of each rank's median step time; "
+                                 "min/max likewise; 1 rank = rank 0 alone",
+                       "results": [asdict(r) for r in results]}, f, indent=1)
+            f.write("\n")
+    if dist is not None:
+        gloo.finish()
+    hvd.shutdown()
+    world.Free()
+    return 0 if all(r.ok for r in results) else 1
+
+
+__all__ = ["TrainOptions", "TrainResult", "build_model", "main", "make_batch", "measure",
+           "parse_args", "scaling_efficiency", "update_difference"]

@@ -1,0 +1,103 @@
+"""Sparse allreduce: an allgather of every rank's indices and values.
+
+A sparse COO tensor's sum over ranks is the tensor whose entries are every rank's
+entries together (duplicates add up when coalesced), so it takes two allgathers and
+no reduction: the ``rows`` of indices (one per non-zero, ``sparse_dim`` wide) and the
+``values`` (one per non-zero, the dense dims trailing). Each rank's rows start with a
+two-row header, its sparse sizes and its non-zero count, so that every rank can split
+the gathered rows by rank and check that all ranks' tensors have the same shape
+(the engine already checks that the dense dims agree). ``Average`` divides the values
+by the rank count (integers truncated toward zero, as Horovod scales them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..communicator import Communicator
+from ..errors import ArgumentError
+from ..ops import ReduceOp, parse_op
+from .tensors import as_buffer, from_buffer
+
+_HEADER_ROWS = 2
+
+
+def _sparse_input(tensor: Any, op: Any, where: int) -> tuple[torch.Tensor, ReduceOp]:
+    """``tensor`` coalesced and ``op`` parsed, or :class:`ArgumentError`."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        kind = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ArgumentError(f"rank {where}: sparse_allreduce needs a sparse COO tensor, got "
+                            f"{kind}; use allreduce for dense tensors")
+    if tensor.sparse_dim() < 1:
+        raise ArgumentError(f"rank {where}: sparse_allreduce needs at least one sparse "
+                            "dimension; use allreduce on tensor.to_dense()")
+    rop = parse_op(op)
+    if rop not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ArgumentError(f"rank {where}: sparse_allreduce supports op=Sum and op=Average, "
+                            f"not {rop!r}; densify the tensor for other ops")
+    return tensor.coalesce(), rop
+
+
+def _part(name: str | None, part: str) -> str | None:
+    return None if name is None else f"{name}.{part}"
+
+
+def start_sparse_allreduce(comm: Communicator, tensor: torch.Tensor, name: str | None,
+                           op: Any) -> tuple[list[Any], Callable[[], torch.Tensor]]:
+    """Submit the allgathers of a sparse allreduce of ``tensor`` on ``comm``.
+
+    Args:
+        comm: the communicator (every rank must make the same call).
+        tensor: a sparse COO tensor; its shape must be the same on every rank.
+        name: names the two allgathers ``f"{name}.indices"`` and ``f"{name}.values"``
+            (``None``: unnamed, matched by order).
+        op: ``Sum`` or ``Average``.
+
+    Returns:
+        The engine handles, and a function that waits for them and returns the
+        coalesced sparse result.
+
+    Raises:
+        ArgumentError: ``tensor`` is not sparse COO, or ``op`` is not Sum/Average (at
+            once, on this rank); ranks' shapes disagree (on every rank, when waited for).
+    """
+    t, rop = _sparse_input(tensor, op, comm.rank)
+    sparse_dim, nnz = t.sparse_dim(), t.values().shape[0]
+    sizes = list(t.shape[:sparse_dim])
+    header = torch.zeros(_HEADER_ROWS, sparse_dim, dtype=torch.int64, device=t.device)
+    header[0] = torch.tensor(sizes, dtype=torch.int64)
+    header[1, 0] = nnz
+    rows = torch.cat([header, t.indices().t().to(torch.int64)]).contiguous()
+    rows_handle = comm.allgather_async(as_buffer(rows), _part(name, "indices"))
+    values_handle = comm.allgather_async(as_buffer(t.values().contiguous()),
+                                         _part(name, "values"))
+
+    def finish() -> torch.Tensor:
+        gathered = from_buffer(rows_handle.wait())
+        values = from_buffer(values_handle.wait())
+        pieces, at = [], 0
+        for r in range(comm.size):
+            theirs = gathered[at].tolist()
+            if theirs != sizes:
+                raise ArgumentError(f"rank {comm.rank}: sparse_allreduce {name or ''} needs the "
+                                    f"same shape on every rank, but rank {r} has sparse sizes "
+                                    f"{theirs} and rank {comm.rank} {sizes}; pass tensors of "
+                                    "one shape")
+            count = int(gathered[at + 1, 0])
+            pieces.append(gathered[at + _HEADER_ROWS:at + _HEADER_ROWS + count])
+            at += _HEADER_ROWS + count
+        if rop is ReduceOp.AVERAGE:
+            if values.is_floating_point() or values.is_complex():
+                values = values / comm.size
+            else:
+                values = torch.div(values, comm.size, rounding_mode="trunc")
+        indices = torch.cat(pieces).t()
+        # every rank's indices came from a valid tensor of this shape (checked above)
+        return torch.sparse_coo_tensor(indices, values, t.shape, dtype=t.dtype,
+                                       check_invariants=False).coalesce()
+    return [rows_handle, values_handle], finish
+
+
+__all__ = ["start_sparse_allreduce"]

@@ -1,0 +1,117 @@
+"""The train benchmark's pure parts: models, data, the verification measure, the table
+(the whole benchmark runs under mpirun in tests/integration/test_bench_train.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks import train  # noqa: E402  (needs torch)
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_models_have_the_documented_shape(small: bool) -> None:
+    mlp, convnet = train.build_model("mlp", small), train.build_model("convnet", small)
+    assert len(list(mlp.parameters())) == 8
+    assert len(list(convnet.parameters())) == 41
+    if not small:
+        assert sum(p.numel() for p in mlp.parameters()) == 4 * (1920 * 1920 + 1920)
+        assert 1_400_000 < sum(p.numel() for p in convnet.parameters()) < 1_700_000
+
+
+@pytest.mark.parametrize("name", train.MODELS)
+def test_batches_fit_their_model_and_differ_by_rank_and_step(name: str) -> None:
+    x, y = train.make_batch(name, True, 4, 1, 0, 0)
+    out = train.build_model(name, True)(x)
+    assert out.shape[0] == 4 and int(y.max()) < out.shape[1]
+    again, _ = train.make_batch(name, True, 4, 1, 0, 0)
+    assert torch.equal(x, again)
+    assert not torch.equal(x, train.make_batch(name, True, 4, 1, 1, 0)[0])
+    assert not torch.equal(x, train.make_batch(name, True, 4, 1, 0, 1)[0])
+
+
+def test_unknown_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        train.build_model("resnet", False)
+
+
+def test_update_difference_is_relative_to_the_update() -> None:
+    start = [torch.zeros(3), torch.zeros(2)]
+    theirs = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])]  # moved by 5
+    ours = [torch.tensor([3.0, 0.0, 0.5]), torch.tensor([0.0, 4.0])]
+    assert train.update_difference(ours, theirs, start) == pytest.approx(0.1)
+    assert train.update_difference(theirs, theirs, start) == 0.0
+
+
+def test_update_difference_flags_no_update_and_non_finite_values() -> None:
+    start = [torch.ones(2)]
+    assert train.update_difference([torch.ones(2)], [torch.ones(2)], start) == math.inf
+    assert math.isnan(train.update_difference([torch.tensor([math.nan, 1.0])],
+                                              [torch.tensor([2.0, 1.0])], start))
+    assert not train.matches(math.inf, 1.0) and not train.matches(math.nan, 1.0)
+    assert train.matches(1e-6, 1e-4) and not train.matches(2e-4, 1e-4)
+
+
+def test_rounds_alternate_mpitrain_and_ddp_after_the_one_rank_block() -> None:
+    assert train.block_order(0) == ["1 rank", "mpitrain", "ddp"]
+    assert train.block_order(1) == ["1 rank", "ddp", "mpitrain"]
+    assert train.block_order(2) == train.block_order(0)
+
+
+def test_throughput_and_weak_scaling() -> None:
+    assert train.samples_per_second(32, 2, 0.5) == 128.0
+    assert train.scaling_efficiency(0.1, 0.125) == pytest.approx(0.8)
+
+
+def _row(impl: str, step_ms: float, ok: bool = True) -> train.TrainResult:
+    return train.TrainResult("mlp", 100, 8, 32, 1 if impl == "1 rank" else 2, "none", impl,
+                             step_ms, step_ms, step_ms, 1.0, 1.0, 10,
+                             math.nan if impl == "1 rank" else 1e-6, ok)
+
+
+def test_table_shows_ratio_against_ddp_and_the_check() -> None:
+    rows = [_row("1 rank", 5.0), _row("mpitrain", 8.0), _row("ddp", 10.0)]
+    lines = train.table_rows(rows)
+    assert len(lines) == 3 and all(len(line) == len(lines[0]) for line in lines)
+    assert "N/A" in lines[0] and lines[0].rstrip().endswith("-")
+    assert " 1.25 " in lines[1] and lines[1].rstrip().endswith("OK")
+    assert " 1.00 " in lines[2]
+    assert len(train.table_header()[0]) == len(lines[0])
+
+
+def test_verification_lines_count_failures() -> None:
+    good = train.verification_lines([_row("mpitrain", 1.0), _row("ddp", 1.0)], 1e-4)
+    assert good[-1] == "# Mismatched models : 0 OK"
+    bad = train.verification_lines([_row("mpitrain", 1.0, ok=False)], 1e-4)
+    assert bad[-1] == "# Mismatched models : 1 FAILED" and "FAILED" in bad[0]
+
+
+@pytest.mark.parametrize("extra", [["--model", "resnet"], ["--steps", "0"], ["--batch", "0"],
+                                   ["--rounds", "0"], ["--warmup", "-1"]])
+def test_bad_options_exit_with_usage(extra: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(extra, quiet=True)
+    assert exc.value.code == 2
+
+
+def test_options_default_to_both_models_without_compression() -> None:
+    opts = train.parse_args([])
+    assert opts.models == ["mlp", "convnet"] and opts.compression == "none"
+    assert train.parse_args(["--fp16", "--model", "convnet"]).compression == "fp16"
+
+
+def test_command_line_shows_how_idle_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    for name in common.YIELD_MCA:
+        monkeypatch.delenv(f"OMPI_MCA_{name}", raising=False)
+    monkeypatch.delenv("MPITRAIN_CHECK", raising=False)
+    assert common.command_line(["train"], 2).endswith("mpirun -np 2 python -m benchmarks train")
+    assert common.idle_wait() == "busy-poll"
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
+    assert "mpirun --mca mpi_yield_when_idle 1 -np 4 python -m benchmarks train" \
+        in common.command_line(["train"], 4)
+    assert common.idle_wait() == "yield"
