@@ -10,9 +10,10 @@ A Horovod training script runs after changing its import line::
 
 Differences from Horovod (docs/horovod-notes.md has the details): the optimizer
 wrapper is a ``torch.optim.Optimizer`` that holds the user's optimizer (not a subclass
-of its class), Adasum runs on CPU tensors only (see docs/adasum.md), process sets are
-not supported, and ``join`` is for the synchronous case (every rank has finished its
-collectives).
+of its class), Adasum runs on CPU tensors only (see docs/adasum.md), and ``join`` is for the
+synchronous case (every rank has finished its collectives). Process sets
+(``hvd.ProcessSet``, ``hvd.add_process_set``, ``process_set=``) run collectives over a
+subset of the ranks on a communicator of their own (:mod:`.process_sets`).
 """
 
 from __future__ import annotations

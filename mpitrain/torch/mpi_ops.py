@@ -29,6 +29,8 @@ from ..communicator import Communicator
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
+from . import process_sets as _sets
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sparse import start_sparse_allreduce
 from .tensors import as_buffer, from_buffer
 
@@ -55,9 +57,20 @@ class _Control:
 _control_comm: _Control | None = None
 
 
-def init(comm: MPI.Intracomm | None = None) -> None:
-    """Initialise mpitrain over ``comm`` (default ``MPI.COMM_WORLD``); idempotent."""
-    session.init(comm)
+def init(comm: MPI.Intracomm | Sequence[int] | None = None,
+         process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Initialise mpitrain; idempotent (later calls only register new ``process_sets``).
+
+    Args:
+        comm: the ranks of the global set: ``MPI.COMM_WORLD`` (default), another
+            communicator, or a list of ranks of ``MPI.COMM_WORLD`` (call ``init`` on
+            every rank; on ranks outside the list every collective raises).
+        process_sets: :class:`ProcessSet` objects to register, in order (collective,
+            as :func:`add_process_set`); ``"dynamic"`` is accepted (sets can always be
+            added and removed).
+    """
+    _sets.initialize(comm)
+    _sets.register(process_sets)
 
 
 def shutdown() -> None:
@@ -66,6 +79,7 @@ def shutdown() -> None:
     with _lock:
         _ops.clear()
         _finished.clear()
+    _sets.clear()
     if _control_comm is not None:
         _control_comm.comm.Free()
         _control_comm = None
@@ -74,37 +88,37 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
-    return session.is_initialized()
+    return session.is_initialized() or _sets.outside()
 
 
 def size() -> int:
     """Number of ranks."""
-    return session.size()
+    return _comm().size
 
 
 def rank() -> int:
     """This process's rank."""
-    return session.rank()
+    return _comm().rank
 
 
 def local_size() -> int:
     """Number of ranks on this node."""
-    return session.local_size()
+    return _comm().local_size
 
 
 def local_rank() -> int:
     """This process's rank among the ranks of its node."""
-    return session.local_rank()
+    return _comm().local_rank
 
 
 def cross_size() -> int:
     """Number of nodes (ranks sharing this local rank)."""
-    return session.cross_size()
+    return _comm().cross_size
 
 
 def cross_rank() -> int:
     """This node's index (rank among the ranks sharing this local rank)."""
-    return session.cross_rank()
+    return _comm().cross_rank
 
 
 def mpi_threads_supported() -> bool:
@@ -179,13 +193,18 @@ def stop_timeline() -> None:
     timeline.stop_timeline()
 
 
-def _comm() -> Communicator:
-    return session.default_communicator()
+def _comm(process_set: ProcessSet | None = None) -> Communicator:
+    """The communicator of ``process_set`` (default: the global set); raises on a rank
+    outside the set."""
+    return _sets.communicator(process_set)
 
 
-def _control() -> MPI.Intracomm:
-    """The adapter's duplicate communicator, created (collectively) on first use."""
+def _control(process_set: ProcessSet | None = None) -> MPI.Intracomm:
+    """The adapter's duplicate communicator (of ``process_set``'s, default the global
+    set's), created (collectively) on first use."""
     global _control_comm
+    if process_set is not None and process_set.process_set_id != 0:
+        return _sets.control(process_set)
     owner = _comm()
     if _control_comm is None or _control_comm.owner is not owner:
         _control_comm = _Control(owner, owner.mpi_comm.Dup())
@@ -319,23 +338,26 @@ class _Scaling:
 
 
 def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
-             postscale: float) -> _Scaling:
+             postscale: float, ranks: int) -> _Scaling:
     """With an integer or float16 tensor among ``tensors`` the adapter scales (prescale
     before the reduction; postscale, and Average's ``1/size``, after it) as
-    :func:`_scale_` does; the engine then only reduces. Otherwise the engine scales."""
+    :func:`_scale_` does (Average over ``ranks`` ranks); the engine then only reduces.
+    Otherwise the engine scales."""
     if all(_engine_scales(t) for t in tensors) or \
             (op is not Average and prescale == 1.0 and postscale == 1.0):
         return _Scaling(op, prescale, postscale)
-    after = postscale / size() if op is Average else postscale
+    after = postscale / ranks if op is Average else postscale
     return _Scaling(Sum if op is Average else op, 1.0, 1.0, prescale, after)
 
 
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
-                     op: ReduceOp, prescale: float, postscale: float) -> int:
-    how = _scaling([tensor], op, prescale, postscale)
+                     op: ReduceOp, prescale: float, postscale: float,
+                     process_set: ProcessSet | None) -> int:
+    comm = _comm(process_set)
+    how = _scaling([tensor], op, prescale, postscale, comm.size)
     if output is not None:  # in place
         work = how.source(tensor, inplace=True)
-        handle = _comm().allreduce_async_(as_buffer(work), how.op, name, how.prescale,
+        handle = comm.allreduce_async_(as_buffer(work), how.op, name, how.prescale,
                                           how.postscale)
 
         def finish() -> torch.Tensor:
@@ -345,33 +367,36 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
             return _scale_(tensor, how.after)
         return _register([handle], finish)
     source = how.source(tensor, inplace=False)
-    handle = _comm().allreduce_async(as_buffer(source), how.op, name, how.prescale,
+    handle = comm.allreduce_async(as_buffer(source), how.op, name, how.prescale,
                                      how.postscale)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> int:
+                    postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for :func:`synchronize`."""
     return _allreduce_async(tensor, None, name, _reduce_op(op, average), prescale_factor,
-                            postscale_factor)
+                            postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> int:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle."""
     return _allreduce_async(tensor, tensor, name, _reduce_op(op, average), prescale_factor,
-                            postscale_factor)
+                            postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place and return it (not differentiable)."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor))
+                                        postscale_factor, process_set))
 
 
 def _linear(op: ReduceOp, what: str) -> None:
@@ -385,23 +410,26 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                prescale: float, postscale: float) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale)
-        return synchronize(_allreduce_async(tensor, None, name, op, prescale, postscale))
+                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(_allreduce_async(tensor, None, name, op, prescale, postscale,
+                                            process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, process_set = ctx.args
         _linear(op, "allreduce")
         reduced = synchronize(_allreduce_async(grad.contiguous(), None, None, op, prescale,
-                                               postscale))
-        return reduced, None, None, None, None
+                                               postscale, process_set))
+        return reduced, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks into a new tensor (differentiable).
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (of ``process_set``) into a new tensor
+    (differentiable).
 
     Args:
         tensor: any tensor; stays unchanged.
@@ -415,24 +443,29 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             toward zero (also Average's division by the rank count); float16 in
             float32; other floating-point tensors in their own dtype. (mpitrain's
             numpy/cupy API rounds integers toward minus infinity instead.)
+        process_set: the ranks that reduce together (default: every rank); only its
+            members may call (elsewhere it raises at once).
     """
     rop = _reduce_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor,
+                              process_set)
     return compression.decompress(summed, ctx)
 
 
 def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
-                   op: ReduceOp, prescale: float, postscale: float) -> int:
+                   op: ReduceOp, prescale: float, postscale: float,
+                   process_set: ProcessSet | None) -> int:
     tensors = list(tensors)
-    how = _scaling(tensors, op, prescale, postscale)
+    comm = _comm(process_set)
+    how = _scaling(tensors, op, prescale, postscale, comm.size)
     work = [how.source(t, inplace) for t in tensors]
     if not inplace:
-        handle = _comm().grouped_allreduce_async([as_buffer(w) for w in work], how.op, name,
+        handle = comm.grouped_allreduce_async([as_buffer(w) for w in work], how.op, name,
                                                  how.prescale, how.postscale)
         return _register([handle], lambda: [_scale_(from_buffer(r), how.after)
                                             for r in handle.wait()])
-    handle = _comm().grouped_allreduce_async_([as_buffer(w) for w in work], how.op, name,
+    handle = comm.grouped_allreduce_async_([as_buffer(w) for w in work], how.op, name,
                                               how.prescale, how.postscale)
 
     def finish() -> list[torch.Tensor]:
@@ -447,27 +480,30 @@ def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | N
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start one fused allreduce of every tensor into new tensors; returns a handle."""
     return _grouped_async(tensors, False, name, _reduce_op(op, average), prescale_factor,
-                          postscale_factor)
+                          postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> int:
+                             postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start one fused in-place allreduce of every tensor; returns a handle."""
     return _grouped_async(tensors, True, name, _reduce_op(op, average), prescale_factor,
-                          postscale_factor)
+                          postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor in place, fused; returns the tensors."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor))
+                                                postscale_factor, process_set))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -475,37 +511,40 @@ class _GroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, prescale, postscale)
+                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
         return tuple(synchronize(_grouped_async(tensors, False, name, op, prescale,
-                                                postscale)))
+                                                postscale, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, process_set = ctx.args
         _linear(op, "grouped_allreduce")
         reduced = synchronize(_grouped_async([g.contiguous() for g in grads], False, None, op,
-                                             prescale, postscale))
-        return (None, None, None, None, *reduced)
+                                             prescale, postscale, process_set))
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor in one fused operation into new tensors (differentiable)."""
     rop = _reduce_op(op, average)
     packed = [compression.compress(t) for t in tensors]
     if not packed:
+        _comm(process_set)  # a rank outside the set raises here too
         return []
     reduced = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
-                                      *[c for c, _ in packed])
+                                      process_set, *[c for c, _ in packed])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
 # -- sparse allreduce -------------------------------------------------------------------
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
-                           op: Any = Average) -> int:
+                           op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a sparse COO tensor: every rank's indices and values are
     allgathered (:mod:`.sparse`); returns a handle whose :func:`synchronize` gives the
     coalesced sparse sum, its values divided by the rank count for ``op=Average``.
@@ -513,14 +552,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
     and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
     """
-    handles, finish = start_sparse_allreduce(_comm(), tensor, name, op)
+    handles, finish = start_sparse_allreduce(_comm(process_set), tensor, name, op)
     return _register(handles, finish)
 
 
 # -- allgather, broadcast, reducescatter ----------------------------------------------
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather (concatenation along dim 0); returns a handle."""
-    handle = _comm().allgather_async(as_buffer(tensor), name)
+    handle = _comm(process_set).allgather_async(as_buffer(tensor), name)
     return _register([handle], lambda: from_buffer(handle.wait()))
 
 
@@ -528,34 +568,41 @@ class _Allgather(torch.autograd.Function):
     """Allgather; the gradient of a rank's rows is the sum over ranks of theirs."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ctx.shape = tensor.shape
-        return synchronize(allgather_async(tensor, name))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.shape, ctx.process_set = tensor.shape, process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0))
+        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0,
+                                              ctx.process_set))
         mine = ctx.shape[0] if len(ctx.shape) else 1
-        offset = sum(allgather_object(mine)[:rank()])
-        return summed.narrow(0, offset, mine).reshape(ctx.shape), None
+        comm = _comm(ctx.process_set)
+        offset = sum(comm.allgather_object(mine)[:comm.rank])
+        return summed.narrow(0, offset, mine).reshape(ctx.shape), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 (which may differ by rank).
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (which may differ by rank), in
+    rank order (of the ranks of ``process_set``).
 
     Differentiable: the gradient of this rank's rows is the sum of every rank's
     gradient for them.
     """
-    return _Allgather.apply(tensor, name)
+    return _Allgather.apply(tensor, name, process_set)
 
 
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
-                     inplace: bool) -> int:
+                     inplace: bool, process_set: ProcessSet | None) -> int:
+    comm = _comm(process_set)
+    root = _sets.set_rank(process_set, root_rank, "broadcast")
     if not inplace:
-        handle = _comm().broadcast_async(as_buffer(tensor), root_rank, name)
+        handle = comm.broadcast_async(as_buffer(tensor), root, name)
         return _register([handle], lambda: from_buffer(handle.wait()))
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    handle = _comm().broadcast_async_(as_buffer(work), root_rank, name)
+    handle = comm.broadcast_async_(as_buffer(work), root, name)
 
     def finish() -> torch.Tensor:
         handle.wait()
@@ -565,54 +612,71 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
     return _register([handle], finish)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
-    """Start a broadcast of the root's ``tensor`` into a new tensor; returns a handle."""
-    return _broadcast_async(tensor, root_rank, name, inplace=False)
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start a broadcast of the root's ``tensor`` into a new tensor; returns a handle.
+
+    ``root_rank`` is a global rank (``hvd.rank()`` numbering), also with a
+    ``process_set``, of which it must be a member.
+    """
+    return _broadcast_async(tensor, root_rank, name, False, process_set)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast of the root's ``tensor``; returns a handle."""
-    return _broadcast_async(tensor, root_rank, name, inplace=True)
+    return _broadcast_async(tensor, root_rank, name, True, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with the root's and return it (not differentiable)."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 class _Broadcast(torch.autograd.Function):
     """Broadcast; the root's gradient is the sum of every rank's, the others get zeros."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
-        ctx.root = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet) -> Any:
+        ctx.root, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0))
-        return (summed if rank() == ctx.root else torch.zeros_like(summed)), None, None
+        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0,
+                                              ctx.process_set))
+        mine = summed if rank() == ctx.root else torch.zeros_like(summed)
+        return mine, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Return the root's ``tensor`` on every rank, as a new tensor (differentiable)."""
-    return _Broadcast.apply(tensor, root_rank, name)
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return the root's ``tensor`` on every rank, as a new tensor (differentiable).
+
+    ``root_rank`` is a global rank (``hvd.rank()`` numbering), also with a
+    ``process_set``, of which it must be a member.
+    """
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def _scale_of(op: ReduceOp, prescale: float, postscale: float) -> float:
-    return prescale * postscale / (size() if op is Average else 1)
+def _scale_of(op: ReduceOp, prescale: float, postscale: float, ranks: int) -> float:
+    return prescale * postscale / (ranks if op is Average else 1)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> int:
     """Start a reduce-scatter; the handle's output is this rank's block of dim 0.
 
     Integer tensors are scaled (factors, Average's ``1/size``) in float64 and truncated
     toward zero, as Horovod does.
     """
-    how = _scaling([tensor], parse_op(op), prescale_factor, postscale_factor)
-    handle = _comm().reduce_scatter_async(as_buffer(how.source(tensor, inplace=False)),
-                                          how.op, name, how.prescale, how.postscale)
+    comm = _comm(process_set)
+    how = _scaling([tensor], parse_op(op), prescale_factor, postscale_factor, comm.size)
+    handle = comm.reduce_scatter_async(as_buffer(how.source(tensor, inplace=False)),
+                                       how.op, name, how.prescale, how.postscale)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
@@ -621,29 +685,33 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                prescale: float, postscale: float) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale)
-        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale))
+                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale,
+                                               process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, process_set = ctx.args
         _linear(op, "reducescatter")
-        gathered = synchronize(allgather_async(grad.contiguous()))
-        return gathered * _scale_of(op, prescale, postscale), None, None, None, None
+        gathered = synchronize(allgather_async(grad.contiguous(), None, process_set))
+        scale = _scale_of(op, prescale, postscale, _comm(process_set).size)
+        return gathered * scale, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: Any = Compression.none, op: Any = Average,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's block of dim 0 (differentiable).
 
     With ``d`` rows, the first ``d % size`` ranks get ``d // size + 1`` rows, the others
-    ``d // size`` (Horovod's split). ``op`` defaults to Average, as in Horovod.
+    ``d // size`` (Horovod's split; ``size`` and the order are those of
+    ``process_set``'s ranks). ``op`` defaults to Average, as in Horovod.
     """
     compressed, ctx = compression.compress(tensor)
     block = _Reducescatter.apply(compressed, name, parse_op(op), prescale_factor,
-                                 postscale_factor)
+                                 postscale_factor, process_set)
     return compression.decompress(block, ctx)
 
 
@@ -660,44 +728,51 @@ def _group_handle(numbers: list[int]) -> int:
     return _register([h for op in ops for h in op.handles], lambda: [op.finish() for op in ops])
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of every tensor; the handle's output is the list of results.
 
     The allgathers are submitted together (the engine runs them back to back); with
     ``name``, the i-th is named ``f"{name}.{i}"``.
     """
-    return _group_handle([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
+    _comm(process_set)  # a rank outside the set raises, also for no tensors
+    return _group_handle([allgather_async(t, _member(name, i), process_set)
+                          for i, t in enumerate(tensors)])
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor],
-                      name: str | None = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather every tensor (dim 0 may differ by rank); differentiable, as
     :func:`allgather`."""
-    return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
+    _comm(process_set)
+    return [allgather(t, _member(name, i), process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: Any = Average, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
+                                postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> int:
     """Start a reduce-scatter of every tensor; the handle's output is the list of this
     rank's blocks (see :func:`reducescatter` for the split and the integer scaling)."""
+    _comm(process_set)
     return _group_handle([reducescatter_async(t, _member(name, i), op, prescale_factor,
-                                              postscale_factor)
+                                              postscale_factor, process_set)
                           for i, t in enumerate(tensors)])
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = Average,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce-scatter every tensor (differentiable, as :func:`reducescatter`)."""
+    _comm(process_set)
     return [reducescatter(t, _member(name, i), compression, op, prescale_factor,
-                          postscale_factor) for i, t in enumerate(tensors)]
+                          postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
 # -- alltoall -------------------------------------------------------------------------
-def _check_splits(tensor: torch.Tensor, splits: Any) -> np.ndarray[Any, Any]:
-    n = size()
+def _check_splits(tensor: torch.Tensor, splits: Any, n: int) -> np.ndarray[Any, Any]:
+    """The rows ``tensor`` sends to each of ``n`` ranks."""
     if tensor.dim() == 0:
         raise ArgumentError(f"rank {rank()}: alltoall splits dim 0, but got a 0-d tensor; "
                             "pass tensor.reshape(1)")
@@ -715,16 +790,18 @@ def _check_splits(tensor: torch.Tensor, splits: Any) -> np.ndarray[Any, Any]:
     return counts.astype(np.int64)
 
 
-def _alltoall(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    send_counts = _check_splits(tensor, splits)
-    ctrl = _control()
+def _alltoall(tensor: torch.Tensor, splits: Any,
+              process_set: ProcessSet | None) -> tuple[torch.Tensor, torch.Tensor]:
+    ctrl = _control(process_set)
+    send_counts = _check_splits(tensor, splits, ctrl.Get_size())
     trailing = tuple(tensor.shape[1:])
     kinds = ctrl.allgather((str(tensor.dtype), trailing))
     if any(k != kinds[0] for k in kinds):
         bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
+        first = _sets.global_rank(process_set, 0)
         raise MismatchError(f"rank {rank()}: alltoall needs the same dtype and trailing shape "
-                            f"on every rank, but rank {bad} sent {kinds[bad]} and rank 0 sent "
-                            f"{kinds[0]}")
+                            f"on every rank, but rank {_sets.global_rank(process_set, bad)} "
+                            f"sent {kinds[bad]} and rank {first} sent {kinds[0]}")
     recv_counts = np.empty_like(send_counts)
     ctrl.Alltoall(send_counts, recv_counts)
     device = tensor.device
@@ -748,20 +825,22 @@ class _Alltoall(torch.autograd.Function):
     """Alltoall; the gradient travels back by the alltoall with the received splits."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any) -> Any:
-        output, received = _alltoall(tensor, splits)
-        ctx.received = received
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, process_set: ProcessSet) -> Any:
+        output, received = _alltoall(tensor, splits, process_set)
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
-        back, _ = _alltoall(grad.contiguous(), ctx.received)
-        return back, None
+        back, _ = _alltoall(grad.contiguous(), ctx.received, ctx.process_set)
+        return back, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
-    """Send ``splits[i]`` rows of ``tensor`` (dim 0, in order) to rank ``i``.
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[i]`` rows of ``tensor`` (dim 0, in order) to rank ``i`` (the
+    ``i``-th rank of ``process_set``).
 
     Args:
         tensor: rows to distribute; trailing dims and dtype must agree across ranks.
@@ -774,30 +853,31 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
         int32 tensor of the rows received from each rank (as Horovod does).
         Differentiable.
     """
-    output, received = _Alltoall.apply(tensor, splits)
+    output, received = _Alltoall.apply(tensor, splits, process_set)
     return output if splits is None else (output, received)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> int:
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
     """:func:`alltoall` behind a handle: ``synchronize`` returns ``(output,
     received_splits)``, as Horovod's does.
 
     The exchange itself runs during this call (on the adapter's own communicator), so
     the handle is done at once; not differentiable.
     """
-    done = _alltoall(tensor.detach(), splits)
+    done = _alltoall(tensor.detach(), splits, process_set)
     return _register([], lambda: done)
 
 
 # -- synchronisation and objects ------------------------------------------------------
-def barrier() -> None:
-    """Block until every rank has called :func:`barrier`."""
-    _comm().barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of ``process_set``) has called :func:`barrier`."""
+    _comm(process_set).barrier()
 
 
-def join(device: int = -1) -> int:
-    """Block until every rank has joined; return the rank that joined last (the same on
-    every rank).
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """Block until every rank (of ``process_set``) has joined; return the rank that
+    joined last (a global rank, the same on every rank).
 
     Until then this rank takes part in the collectives the other ranks submit, as
     Horovod's joined ranks do: it contributes zeros to Sum and Average (which still
@@ -805,29 +885,35 @@ def join(device: int = -1) -> int:
     to allgathers; a broadcast from a joined root fails with ``HorovodInternalError``.
     ``device`` is accepted for Horovod compatibility.
     """
-    return _comm().join()
+    return _sets.global_rank(process_set, _comm(process_set).join())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return the root's ``obj`` (any picklable object) on every rank."""
-    return _comm().broadcast_object(obj, root_rank)
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return the root's ``obj`` (any picklable object) on every rank; ``root_rank`` is
+    a global rank, a member of ``process_set``."""
+    return _comm(process_set).broadcast_object(
+        obj, _sets.set_rank(process_set, root_rank, "broadcast_object"))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Return every rank's ``obj`` in rank order."""
-    return _comm().allgather_object(obj)
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Return every rank's ``obj`` in rank order (of ``process_set``'s ranks)."""
+    return _comm(process_set).allgather_object(obj)
 
 
 __all__ = [
-    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
-    "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
+    "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
+    "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline",
+    "synchronize",
 ]

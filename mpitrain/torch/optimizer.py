@@ -24,13 +24,13 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import session
 from ..errors import ArgumentError, UnsupportedError
 from ..ops import ReduceOp, parse_op
 from ..trainer.broadcast import broadcast_arrays, broadcast_tree
 from ..trainer.compression import Compression
 from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
 from .checkpoint import TENSORS
+from .process_sets import ProcessSet, communicator, global_process_set, set_rank
 from .sparse import start_sparse_allreduce
 from .tensors import as_buffer
 
@@ -154,18 +154,22 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         groups: ``None``, a group count, or lists of parameters allreduced together.
         sparse_as_dense: allreduce sparse gradients as dense tensors (else they are
             allgathered, as in Horovod).
+        process_set: the ranks that average together (default: every rank); build
+            the optimizer only on its members (elsewhere it raises).
     """
 
     def __init__(self, optimizer: Any, named_parameters: Iterable[Any] | None = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
-                 groups: Any = None, sparse_as_dense: bool = False) -> None:
+                 groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set) -> None:
         self.optimizer = optimizer
+        comm = communicator(process_set)
         self._options = dict(compression=compression,
                              backward_passes_per_step=backward_passes_per_step, op=op,
                              gradient_predivide_factor=gradient_predivide_factor,
-                             groups=groups)
-        self._adasum = parse_op(op) is ReduceOp.ADASUM and session.default_communicator().size > 1
+                             groups=groups, comm=comm)
+        self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
         self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
         if named_parameters is not None:
             named = list(named_parameters)
@@ -287,14 +291,19 @@ def _hook(owner: weakref.ref[DistributedOptimizer]) -> Any:
     return hook
 
 
-def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+def broadcast_parameters(params: Any, root_rank: int = 0,
+                         process_set: ProcessSet = global_process_set) -> None:
     """Overwrite parameters (or any tensors) with the root's, in place.
 
     Args:
         params: ``model.state_dict()``, ``model.named_parameters()``, or a list of
             tensors or ``(name, tensor)`` pairs.
-        root_rank: the rank whose values every rank receives.
+        root_rank: the rank whose values every rank receives (a global rank, a member
+            of ``process_set``).
+        process_set: the ranks that receive (default: every rank).
     """
+    comm = communicator(process_set)
+    root = set_rank(process_set, root_rank, "broadcast_parameters")
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, Iterable):
@@ -308,25 +317,28 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
             raise ArgumentError(f"broadcast_parameters: {name or i!r} is a "
                                 f"{type(tensor).__name__}, not a tensor")
         named.append((f"param.{name if name is not None else i}", as_buffer(tensor)))
-    broadcast_arrays(named, root=root_rank, comm=session.default_communicator())
+    broadcast_arrays(named, root=root, comm=comm)
 
 
-def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0,
+                              process_set: ProcessSet = global_process_set) -> None:
     """Give every rank the root's optimizer state and hyper-parameters.
 
     Works for any optimizer with ``state_dict()``/``load_state_dict()``, also when the
     other ranks' state is still empty (state created lazily on the first step): the
     parameters are not stepped. Where this rank's state is empty, parameters that
     require a gradient and have none get a zero gradient, as after Horovod's call;
-    parameters that need no gradient keep ``grad=None``.
+    parameters that need no gradient keep ``grad=None``. ``root_rank`` is a global
+    rank, a member of ``process_set`` (default: every rank).
     """
+    comm = communicator(process_set)
+    root = set_rank(process_set, root_rank, "broadcast_optimizer_state")
     if not optimizer.state:  # as Horovod, whose state initialisation leaves zero gradients
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-    comm = session.default_communicator()
-    state = broadcast_tree(optimizer.state_dict(), root=root_rank, comm=comm, kind=TENSORS,
+    state = broadcast_tree(optimizer.state_dict(), root=root, comm=comm, kind=TENSORS,
                            name="optimizer")
-    if comm.rank != root_rank:
+    if comm.rank != root:
         optimizer.load_state_dict(state)
