@@ -125,16 +125,25 @@ class SharedMemory:
         self.sync()
 
     def barrier(self) -> int:
-        """Arrive at the next barrier and wait for it; returns the barrier's number
-        (:meth:`arrive` then :meth:`wait`, in one call for the small collectives)."""
+        """Arrive at the next barrier and wait for it; returns the barrier's number."""
+        t = self.arrive()
+        self.wait(t)
+        return t
+
+    def agree(self, fingerprint: int) -> bool:
+        """Publish ``fingerprint`` for the next barrier, pass it, and say whether every
+        rank published the same (the validation exchange of a call that has nothing
+        else to publish; :meth:`barrier` with one more word)."""
         t = self.seq = self.seq + 1
+        fps = self.fingerprints[t & 1]
+        fps[self.rank] = fingerprint
         self.sync()
         flags = self.flags
         flags[self.rank] = t
         if min(flags) < t:
             self._poll(t)
         self.sync()
-        return t
+        return fps.tolist().count(fingerprint) == self.size
 
     def wait_quietly(self, target: int) -> None:
         """Like :meth:`wait`, yielding the core between tests and never calling the

@@ -5,8 +5,9 @@ shape, root, scaling, name and algorithm) and a 63-bit *fingerprint* of it. Befo
 data message, the :class:`Validator` exchanges one fixed-size header per rank,
 ``[fingerprint, rows, payload bytes, 0]``:
 
-* on one node, through the shared-memory slots of :mod:`.shm` (one barrier; a small
-  collective's input can ride in the same slot, so validating costs nothing extra);
+* on one node, through the shared memory of :mod:`.shm` (one barrier; the fingerprint
+  sits beside the barrier counters, and a small collective's input can ride in this
+  rank's slot, so validating costs nothing extra);
 * otherwise, with one ``MPI_Allgather`` of the headers on the private communicator.
 
 The header has the same size on every rank whatever the call, so a disagreement can
@@ -149,12 +150,9 @@ class Validator:
         if shm is not None:
             p = self.parity = (shm.seq + 1) & 1  # shm.next_parity, without a property call
             words = shm.header_words[p]
-            shm.fingerprints[p][self.rank] = fp
             words[self._rows_at] = rows
             words[self._payload_at] = payload
-            shm.barrier()
-            # every fingerprint equals this rank's: cheaper than min() and max()
-            if sig is not None and shm.fingerprints[p].tolist().count(fp) != self.size:
+            if not shm.agree(fp) and sig is not None:
                 self.raise_mismatch(sig)
             return p
         mine = self._mine
@@ -179,10 +177,7 @@ class Validator:
         if shm is None:
             return self.exchange(sig)
         p = self.parity = (shm.seq + 1) & 1
-        fps = shm.fingerprints[p]
-        fp = fps[self.rank] = 0 if sig is None else sig.fingerprint
-        shm.barrier()
-        if sig is not None and fps.tolist().count(fp) != self.size:
+        if not shm.agree(0 if sig is None else sig.fingerprint) and sig is not None:
             self.raise_mismatch(sig)
         return p
 

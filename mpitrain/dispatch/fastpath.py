@@ -70,8 +70,9 @@ class SmallAllreduce:
                  sig: Signature | None, texts: tuple[Any, ...]) -> None:
         self.transport, self.validator, self.texts = transport, validator, texts
         self.dtype, self.shape, self.sig = dtype, shape, sig
+        self.fingerprint = sig.fingerprint if sig is not None else 0
         self.ufunc = UFUNCS[op]
-        n = transport.size
+        n = self.size = transport.size
         self.scale = 1.0 / n if op is ReduceOp.AVERAGE else 1.0
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         # a 0-d ufunc result is a scalar, not an array: give those an output array
@@ -87,7 +88,7 @@ class SmallAllreduce:
 
     def allreduce(self, x: Array, out: Array | None) -> Array:
         """The reduction of ``x`` over all ranks, in ``out`` (may be ``x``) or a new array."""
-        shm = self.shm
+        shm, n = self.shm, self.size
         if shm is None:  # one rank: the sum of one array is the array
             if out is None:
                 return x.copy()
@@ -100,10 +101,11 @@ class SmallAllreduce:
             t.current = "allreduce"
         else:
             t.begin("allreduce")  # raises on a broken transport, forgets old requests
-        p = (shm.seq + 1) & 1
+        p = self.validator.parity = (shm.seq + 1) & 1
         slots = self.slots[p]
         self.mine[p][...] = x
-        self.validator.meet(self.sig)
+        if not shm.agree(self.fingerprint) and self.sig is not None:  # Validator.meet
+            self.validator.raise_mismatch(self.sig)
         ufunc = self.ufunc
         if out is None:
             if self.allocates:
@@ -113,8 +115,9 @@ class SmallAllreduce:
                 ufunc(slots[0], slots[1], out=out)
         else:
             ufunc(slots[0], slots[1], out=out)
-        for other in slots[2:]:
-            ufunc(out, other, out=out)
+        if n > 2:
+            for other in slots[2:]:
+                ufunc(out, other, out=out)
         if self.scale != 1.0:
             NUMPY.scale(out, self.scale)
         return out
