@@ -164,3 +164,14 @@ def test_mismatch_raises_on_every_rank(comm: mt.Communicator, case: str) -> None
     odd = comm.rank == comm.size - 1
     for _ in range(2):  # the second time through cached plans
         expect_mismatch(comm, lambda: call(comm, odd), pattern.format(last=comm.size - 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_latency_benchmark_runs(comm: mt.Communicator,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import latency
+
+    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "2"]) == 0
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        assert "mpitrain allreduce 4 B" in printed and "MPI Barrier" in printed
