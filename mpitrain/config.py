@@ -59,11 +59,12 @@ if os.name != "posix" or not isinstance(_ENVIRON_BYTES, dict):  # pragma: no cov
     _ENVIRON_BYTES = None
 
 
-def _raw(name: str, key: bytes) -> str | None:
-    if _ENVIRON_BYTES is None:  # pragma: no cover - non-POSIX
-        return os.environ.get(name)
-    value = _ENVIRON_BYTES.get(key)
-    return None if value is None else os.fsdecode(value)
+_ENV_GET: Callable[[Any], Any] = os.environ.get if _ENVIRON_BYTES is None else _ENVIRON_BYTES.get
+"""The raw text of a variable by its key: bytes (POSIX) or the name itself."""
+
+
+def _env_key(name: str) -> Any:
+    return name if _ENVIRON_BYTES is None else os.fsencode(name)
 
 
 @dataclass(frozen=True)
@@ -88,18 +89,18 @@ class Setting(Generic[T]):
     parse: Callable[[str], T]
     default: T
     doc: str
-    _parsed: dict[str, T] = field(default_factory=dict, repr=False, compare=False)
-    _key: bytes = field(default=b"", repr=False, compare=False)
+    _parsed: dict[Any, T] = field(default_factory=dict, repr=False, compare=False)
+    _key: Any = field(default=b"", repr=False, compare=False)
     _alias: _AliasValue | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_key", os.fsencode(self.name))
+        object.__setattr__(self, "_key", _env_key(self.name))
 
     def get(self, override: T | None = None) -> T:
         """Return ``override`` if given, else the parsed variable, else the default."""
         if override is not None:
             return override
-        raw = _raw(self.name, self._key)
+        raw = _ENV_GET(self._key)
         if not raw:
             alias = self._alias
             if alias is None:
@@ -107,14 +108,15 @@ class Setting(Generic[T]):
             if alias.error:
                 raise ArgumentError(alias.error)
             raw = alias.text
-        try:
+        try:  # keyed by the raw text: a hit costs no decoding
             return self._parsed[raw]
         except KeyError:
             pass
+        text = raw if isinstance(raw, str) else os.fsdecode(raw)
         try:
-            value = self.parse(raw)
+            value = self.parse(text)
         except ValueError as exc:
-            raise ArgumentError(f"{self.name}={raw!r} is not valid: {exc}") from None
+            raise ArgumentError(f"{self.name}={text!r} is not valid: {exc}") from None
         if len(self._parsed) < 64:
             self._parsed[raw] = value
         return value
@@ -148,6 +150,30 @@ CROSS_RANKS = Setting("MPITRAIN_CROSS_RANKS", int, 1,
                       "Hierarchical allreduce: how many ranks of each node exchange across "
                       "nodes; 1 sends each node's sum through its first rank (one connection "
                       "per pair of nodes), 0 every local rank its own shard in parallel.")
+
+
+PLAN_SETTINGS = (ALGORITHM, TUNING_FILE, CHECK, SEGMENT_BYTES)
+"""The settings that decide how a small blocking collective runs (its algorithm, its
+validation, whether it fits a shared-memory slot): see :func:`plan_texts`."""
+
+
+def _plan_texts() -> Callable[[], tuple[Any, ...]]:
+    get = _ENV_GET
+    k0, k1, k2, k3 = (s._key for s in PLAN_SETTINGS)
+
+    def plan_texts() -> tuple[Any, ...]:
+        """The raw environment texts of :data:`PLAN_SETTINGS`, now.
+
+        Equal tuples mean equal settings, so a plan cached with the tuple of its time
+        stays valid while this returns an equal one; it costs four dictionary lookups,
+        not four parses.
+        """
+        return (get(k0), get(k1), get(k2), get(k3))
+
+    return plan_texts
+
+
+plan_texts = _plan_texts()
 
 
 def _parse_seconds(text: str) -> float:

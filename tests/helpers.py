@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,19 @@ def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, wh
     """Exact comparison of arrays, shape and dtype included, judged on every rank."""
     why = mismatch(actual, expected)
     assert_all_ranks(comm, not why, f"{what}: {why}")
+
+
+def expect_mismatch(comm: mt.Communicator, call: Callable[[], Any], pattern: str) -> None:
+    """``call`` must raise MismatchError matching ``pattern`` on every rank; the
+    communicator must then still work."""
+    try:
+        call()
+        problem = "no MismatchError"
+    except mt.MismatchError as exc:
+        problem = "" if re.search(pattern, str(exc)) else f"{exc!s} does not match {pattern!r}"
+    assert_all_ranks(comm, not problem, problem)
+    y = comm.allreduce(np.arange(5, dtype=np.int32))  # still usable
+    assert_equal_all_ranks(comm, y, np.arange(5, dtype=np.int32) * comm.size, "after mismatch")
 
 
 def mismatch(actual: Any, expected: Any) -> str:

@@ -6,6 +6,10 @@ When every rank of a communicator is on one node, :class:`SharedMemory` maps one
 * ``flags``: one counter per rank. A rank *arrives* at barrier ``t`` by storing ``t``
   in its counter and *waits* for ``t`` until every counter is at least ``t``. Counters
   only grow, so one barrier per call is enough: nothing is ever reset.
+* ``fingerprints``: per parity and rank, the validation exchange's fingerprint, right
+  after the counters (in their cache line up to 2 ranks; 5 ranks share two lines), so
+  a rank that sees the others' counters has their fingerprints without another
+  cache-line transfer.
 * ``headers`` and ``slots``: per parity (``t % 2``) and rank, a small int64 header
   (``headers[parity, field, rank]``) and ``slot_bytes`` of payload. The validation
   exchange writes a rank's fingerprint (and a small collective's whole input) there
@@ -63,7 +67,7 @@ class SharedMemory:
         n = self.size
         self.slot_bytes = _align(slot_bytes)
         self.arena_bytes = _align(arena_bytes)
-        flags_bytes = _align(n * 8)
+        flags_bytes = _align(3 * n * 8)  # the counters, then the fingerprints of both parities
         headers_bytes = _align(2 * n * HEADER_WORDS * 8)
         slots_bytes = 2 * n * self.slot_bytes
         total = flags_bytes + headers_bytes + slots_bytes + n * self.arena_bytes
@@ -71,7 +75,10 @@ class SharedMemory:
         buf, _ = self.win.Shared_query(0)
         raw: Any = np.frombuffer(buf, dtype=np.uint8, count=total)  # type: ignore[call-overload]
         self.raw = raw
-        self.flags = memoryview(raw[:n * 8]).cast("q")
+        words = memoryview(raw[:3 * n * 8]).cast("q")
+        self.flags = words[:n]
+        # Per parity, every rank's fingerprint (fast to compare as a memoryview).
+        self.fingerprints = [words[n:2 * n], words[2 * n:]]
         off = flags_bytes
         self.headers = raw[off:off + 2 * n * HEADER_WORDS * 8].view(np.int64) \
             .reshape(2, HEADER_WORDS, n)
@@ -79,11 +86,11 @@ class SharedMemory:
         self.slots = raw[off:off + slots_bytes].reshape(2, n, self.slot_bytes)
         off += slots_bytes
         self.arena = raw[off:off + n * self.arena_bytes].reshape(n, self.arena_bytes)
-        # Per parity, every rank's fingerprint as a memoryview (fast to compare), and the
-        # whole header as a flat memoryview: field f of rank r is at f * n + r.
-        self.fingerprints = [memoryview(self.headers[p, FP]) for p in range(2)]
+        # Per parity, the whole header as a flat memoryview: field f of rank r is at
+        # f * n + r (the fingerprint field is unused here: see ``fingerprints``).
         self.header_words = [memoryview(self.headers[p].reshape(-1)) for p in range(2)]
         self.win.Lock_all()
+        self.sync: Callable[[], None] = self.win.Sync  # bound once: called twice per barrier
         if self.rank == 0:
             raw[:flags_bytes + headers_bytes] = 0
         self.win.Sync()
@@ -106,7 +113,7 @@ class SharedMemory:
     def arrive(self) -> int:
         """Publish everything written so far and arrive at the next barrier; returns it."""
         self.seq += 1
-        self.win.Sync()
+        self.sync()
         self.flags[self.rank] = self.seq
         return self.seq
 
@@ -115,13 +122,28 @@ class SharedMemory:
         flags = self.flags
         if min(flags) < target:
             self._poll(target)
-        self.win.Sync()
+        self.sync()
 
     def barrier(self) -> int:
         """Arrive at the next barrier and wait for it; returns the barrier's number."""
         t = self.arrive()
         self.wait(t)
         return t
+
+    def agree(self, fingerprint: int) -> bool:
+        """Publish ``fingerprint`` for the next barrier, pass it, and say whether every
+        rank published the same (the validation exchange of a call that has nothing
+        else to publish; :meth:`barrier` with one more word)."""
+        t = self.seq = self.seq + 1
+        fps = self.fingerprints[t & 1]
+        fps[self.rank] = fingerprint
+        self.sync()
+        flags = self.flags
+        flags[self.rank] = t
+        if min(flags) < t:
+            self._poll(t)
+        self.sync()
+        return fps.tolist().count(fingerprint) == self.size
 
     def wait_quietly(self, target: int) -> None:
         """Like :meth:`wait`, yielding the core between tests and never calling the

@@ -44,18 +44,23 @@ from ..comm.topology import Topology
 from ..comm.transport import Transport
 from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
-from ..errors import ArgumentError, UnsupportedError
+from ..errors import ArgumentError, MpitrainError, UnsupportedError
 from ..ops import ReduceOp, parse_op
+from .fastpath import SmallAllreduce, fits_out
 from .policy import policy_for
 from .selection import select
 
 Array = Any
 PLAN_CACHE_SIZE = 32
 """Plans kept per dispatcher (least recently used first out)."""
+SMALL_CACHE_SIZE = 64
+"""Small-allreduce plans (:mod:`.fastpath`) kept per dispatcher (all dropped when full)."""
 SLOT_BYTES = 64 << 10
 """Shared-memory slot per rank: calls up to this size ride the validation exchange."""
 ARENA_BYTES = 8 << 20
 """Shared-memory arena per rank for the stripes of large shm collectives."""
+BARRIER = signature("barrier")
+"""The signature of every barrier."""
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -111,6 +116,8 @@ class Dispatcher:
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
+        # (dtype, shape, op) -> (config.plan_texts() when planned, the plan or None)
+        self._small: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllreduce | None]] = {}
 
     @property
     def checking(self) -> bool:
@@ -250,12 +257,67 @@ class Dispatcher:
         return algorithms.REGISTRY["allreduce"][name].takes_pieces
 
     # -- allreduce ---------------------------------------------------------------------
-    @on_stream
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   out: Array | None = None, name: str | None = None, *,
                   stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.allreduce`."""
+        if (type(x) is np.ndarray and algorithm is None and name is None
+                and prescale_factor == 1.0 and postscale_factor == 1.0
+                and (type(op) is ReduceOp or type(op) is str)):
+            entry = self._small.get((x.dtype, x.shape, op))  # small_allreduce(), inlined
+            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+                self.small_allreduce(x, op)
+            if small is not None and (out is None or fits_out(x, out)):
+                return small.allreduce(x, out)
+        return self._allreduce(x, op, algorithm, prescale_factor, postscale_factor, out, name,
+                               stream=stream)
+
+    def small_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str) -> SmallAllreduce | None:
+        """The fast-path plan (:mod:`.fastpath`) of an allreduce of ``x`` with ``op`` and
+        default arguments, made on first use; ``None`` if the call needs the general path."""
+        texts = config.plan_texts()
+        entry = self._small.get((x.dtype, x.shape, op))
+        if entry is not None and entry[0] == texts:
+            return entry[1]
+        return self._remember_small(x, op, texts)
+
+    def _remember_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                        texts: tuple[Any, ...]) -> SmallAllreduce | None:
+        small = self._plan_small(x, op, texts)
+        if len(self._small) >= SMALL_CACHE_SIZE:
+            self._small.clear()
+        self._small[(x.dtype, x.shape, op)] = (texts, small)
+        return small
+
+    def _plan_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                    texts: tuple[Any, ...]) -> SmallAllreduce | None:
+        try:  # invalid input: the general path raises, with its messages
+            rop = op if type(op) is ReduceOp else parse_op(op)
+            if rop is ReduceOp.ADASUM:
+                return None
+            dt = self.check_reducible(x, rop)
+            nbytes = x.size * dt.itemsize
+            alg = self.algorithm("allreduce", None, nbytes, NUMPY, dt)
+        except MpitrainError:
+            return None
+        shape = tuple(x.shape)
+        if self.size == 1:
+            return SmallAllreduce(self.transport, None, self.validator, dt, shape, rop, None,
+                                  texts)
+        shm = self.shm
+        if alg != "shm" or shm is None or \
+                nbytes > min(shm.slot_bytes, config.SEGMENT_BYTES.get() or shm.slot_bytes):
+            return None
+        sig = signature("allreduce", rop.value, dtype_name(dt), shape or (x.size,), False, -1,
+                        1.0, 1.0, "", alg) if self.checking else None
+        return SmallAllreduce(self.transport, shm, self.validator, dt, shape, rop, sig, texts)
+
+    @on_stream
+    def _allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                   algorithm: str | None = None, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, out: Array | None = None,
+                   name: str | None = None, *, stream: Any = None) -> Array:
         be, arr = backend_and_array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
         dt = self.check_reducible(arr, rop)
@@ -269,12 +331,25 @@ class Dispatcher:
                             prescale_factor, postscale_factor, name, arr.shape)
         return result
 
-    @on_stream
     def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                    algorithm: str | None = None, prescale_factor: float = 1.0,
                    postscale_factor: float = 1.0, name: str | None = None, *,
                    stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.allreduce_`."""
+        if (type(x) is np.ndarray and algorithm is None and name is None
+                and prescale_factor == 1.0 and postscale_factor == 1.0
+                and (type(op) is ReduceOp or type(op) is str)):
+            small = self.small_allreduce(x, op)
+            if small is not None and x.flags.writeable:
+                return small.allreduce(x, x)
+        return self._allreduce_(x, op, algorithm, prescale_factor, postscale_factor, name,
+                                stream=stream)
+
+    @on_stream
+    def _allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                    algorithm: str | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, name: str | None = None, *,
+                    stream: Any = None) -> Array:
         be, arr = backend_and_array(x)
         if not be.writes_through(arr, x):
             raise ArgumentError(f"rank {self.rank}: allreduce_ needs an array to write into, "
@@ -457,18 +532,21 @@ class Dispatcher:
     # -- objects and synchronisation ---------------------------------------------------
     def barrier(self) -> None:
         """See :meth:`mpitrain.Communicator.barrier`."""
-        self.rendezvous("barrier")
+        self.rendezvous("barrier", BARRIER)
 
-    def rendezvous(self, collective: str) -> None:
+    def rendezvous(self, collective: str, sig: Signature | None = None) -> None:
         """A barrier counted as ``collective``: validated against the other ranks' calls
         (a rank in another collective gets MismatchError), watched by the stall
-        inspector, interruptible at the stall timeout like every collective."""
+        inspector, interruptible at the stall timeout like every collective.
+
+        ``sig`` is ``signature(collective)``, when the caller has it at hand.
+        """
         if self.size == 1:
             return
         self.transport.begin(collective)
-        checking = self.checking
+        checking = self.check if self.check is not None else config.CHECK.get()
         if checking or self.shm is not None:  # the exchange is itself a barrier
-            self.validator.exchange(signature(collective) if checking else None)
+            self.validator.meet((sig or signature(collective)) if checking else None)
         else:
             self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 

@@ -7,13 +7,12 @@ that must succeed.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, reference
+from helpers import assert_equal_all_ranks, crafted, expect_mismatch, reference
 from mpi4py import MPI
 
 import mpitrain as mt
@@ -28,18 +27,6 @@ def vcomm(request: pytest.FixtureRequest) -> Iterator[mt.Communicator]:
     other = mt.Communicator(MPI.COMM_WORLD, shared_memory=False)
     yield other
     other.free()
-
-
-def expect_mismatch(comm: mt.Communicator, call: Callable[[], Any], pattern: str) -> None:
-    """``call`` must raise MismatchError matching ``pattern`` on every rank."""
-    try:
-        call()
-        problem = "no MismatchError"
-    except mt.MismatchError as exc:
-        problem = "" if re.search(pattern, str(exc)) else f"{exc!s} does not match {pattern!r}"
-    assert_all_ranks(comm, not problem, problem)
-    y = comm.allreduce(np.arange(5, dtype=np.int32))  # still usable
-    assert_equal_all_ranks(comm, y, np.arange(5, dtype=np.int32) * comm.size, "after mismatch")
 
 
 def odd(comm: mt.Communicator) -> bool:

@@ -80,3 +80,34 @@ def test_init_warns_once_about_an_unknown_name() -> None:
                          check=False)
     assert bad.returncode != 0 and "initialised" not in bad.stdout
     assert "MPITRAIN_FUSION_THRESHOLD='lots' is not valid" in bad.stderr
+
+
+def test_plan_texts_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached small-call plan is kept while plan_texts() is unchanged: every setting it
+    covers must change it, and a setting it does not cover must not."""
+    for name in ("MPITRAIN_ALGORITHM", "MPITRAIN_TUNING_FILE", "MPITRAIN_CHECK",
+                 "MPITRAIN_SEGMENT_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    before = config.plan_texts()
+    assert config.plan_texts() == before
+    for setting, value in ((config.ALGORITHM, "ring"), (config.TUNING_FILE, "t.json"),
+                           (config.CHECK, "0"), (config.SEGMENT_BYTES, "4K")):
+        assert setting in config.PLAN_SETTINGS
+        monkeypatch.setenv(setting.name, value)
+        assert config.plan_texts() != before, setting.name
+        monkeypatch.delenv(setting.name)
+        assert config.plan_texts() == before
+    monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "5")
+    assert config.plan_texts() == before
+
+
+def test_a_setting_sees_each_new_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPITRAIN_CHECK", "0")
+    assert config.CHECK.get() is False
+    monkeypatch.setenv("MPITRAIN_CHECK", "yes")
+    assert config.CHECK.get() is True
+    monkeypatch.setenv("MPITRAIN_SEGMENT_BYTES", "2K")
+    assert config.SEGMENT_BYTES.get() == 2048
+    monkeypatch.setenv("MPITRAIN_SEGMENT_BYTES", "bad")
+    with pytest.raises(mt.ArgumentError, match="MPITRAIN_SEGMENT_BYTES='bad' is not valid"):
+        config.SEGMENT_BYTES.get()

@@ -1,0 +1,177 @@
+"""The small-allreduce fast path (mpitrain.dispatch.fastpath): same results, same checks.
+
+Calls with default arguments on small numpy arrays take a plan cached per (dtype,
+shape, op); these tests make sure they do, that the plan follows changes of dtype,
+shape, op and configuration, that its results match numpy for every dtype and op, and
+that ranks that disagree still raise MismatchError on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import (
+    DTYPES,
+    assert_all_ranks,
+    assert_equal_all_ranks,
+    crafted,
+    expect_mismatch,
+    ops_for,
+    reference,
+)
+
+import mpitrain as mt
+from mpitrain.dispatch.fastpath import SmallAllreduce
+
+CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
+
+
+def fast(comm: mt.Communicator, x: np.ndarray[Any, Any], op: Any = mt.Sum) -> SmallAllreduce:
+    """The fast-path plan of ``x`` with ``op``; fails the test if there is none."""
+    plan = comm.dispatcher.small_allreduce(x, op)
+    assert_all_ranks(comm, plan is not None, f"no fast path for {x.dtype}{list(x.shape)}")
+    assert plan is not None
+    return plan
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
+def test_every_dtype_and_op_matches_numpy(comm: mt.Communicator, dtype: str,
+                                          op: mt.ReduceOp) -> None:
+    n, r = comm.size, comm.rank
+    for count in sorted({0, 1, max(n - 1, 0), 1001}):
+        expected = reference(n, count, dtype, op)
+        x = crafted(r, count, dtype, op)
+        before = x.copy()
+        fast(comm, x, op)
+        assert_equal_all_ranks(comm, comm.allreduce(x, op=op), expected, f"allreduce n={count}")
+        assert_equal_all_ranks(comm, x, before, "allreduce must not modify its input")
+        assert_equal_all_ranks(comm, comm.allreduce(x, op=op.value), expected, "op by name")
+        out = np.full_like(x, 7)
+        assert comm.allreduce(x, op=op, out=out) is out
+        assert_equal_all_ranks(comm, out, expected, f"allreduce out= n={count}")
+        z = crafted(r, count, dtype, op)
+        assert comm.allreduce_(z, op=op) is z
+        assert_equal_all_ranks(comm, z, expected, f"allreduce_ n={count}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", [(), (3, 4), (2, 1, 5)])
+def test_shapes_and_strides(comm: mt.Communicator, shape: tuple[int, ...]) -> None:
+    n, r = comm.size, comm.rank
+    x = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + r
+    expected = np.arange(x.size, dtype=np.float64).reshape(shape) * n + n * (n - 1) / 2
+    fast(comm, x)
+    y = comm.allreduce(x)
+    assert isinstance(y, np.ndarray) and y.shape == shape
+    assert_equal_all_ranks(comm, y, expected, f"shape {shape}")
+    avg = comm.allreduce(x, op=mt.Average)
+    assert_equal_all_ranks(comm, avg, expected / n, f"average {shape}")
+    # a strided view, in place: the result lands in the caller's view
+    base = np.zeros((6, 4), np.int32)
+    view = base[::2, 1:3]
+    view[...] = r + 1
+    assert comm.allreduce_(view) is view
+    assert_equal_all_ranks(comm, base[::2, 1:3], np.full((3, 2), n * (n + 1) // 2, np.int32),
+                           "strided in place")
+    assert_equal_all_ranks(comm, base[1::2], np.zeros((3, 4), np.int32), "rows not in the view")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_plans_follow_dtype_shape_op_and_configuration(comm: mt.Communicator,
+                                                       env: pytest.MonkeyPatch) -> None:
+    d = comm.dispatcher
+    a = np.ones(8, np.float32)
+    plan = fast(comm, a)
+    assert d.small_allreduce(a, mt.Sum) is plan  # cached
+    assert d.small_allreduce(np.ones(9, np.float32), mt.Sum) is not plan
+    assert d.small_allreduce(np.ones(8, np.float64), mt.Sum) is not plan
+    assert d.small_allreduce(np.ones((2, 4), np.float32), mt.Sum) is not plan
+    assert d.small_allreduce(a, mt.Max) is not plan
+    if comm.size > 1:
+        assert plan.sig is not None
+        env.setenv("MPITRAIN_CHECK", "0")
+        unchecked = fast(comm, a)
+        assert unchecked is not plan and unchecked.sig is None
+        assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "unchecked")
+        env.setenv("MPITRAIN_ALGORITHM", "ring")  # not the shm algorithm: general path
+        assert d.small_allreduce(a, mt.Sum) is None
+        assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "ring")
+        env.delenv("MPITRAIN_ALGORITHM")
+        env.setenv("MPITRAIN_SEGMENT_BYTES", "16")  # 32 bytes do not fit a 16-byte slot
+        assert d.small_allreduce(a, mt.Sum) is None
+        assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "segmented")
+        env.undo()
+        again = fast(comm, a)
+        assert again is not plan and again.sig == plan.sig  # planned again, same checks
+    big = np.ones((64 << 10) // 4 + 1, np.float32)  # over a slot
+    assert (d.small_allreduce(big, mt.Sum) is None) == (comm.size > 1)
+    assert d.small_allreduce(a, mt.Adasum) is None
+    assert_equal_all_ranks(comm, comm.allreduce(big), big * comm.size, "over a slot")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_counted_like_every_collective(comm: mt.Communicator) -> None:
+    """The stall inspector and the exit guard read the transport's count and name."""
+    t = comm.dispatcher.transport
+    x = np.ones(4, np.float32)
+    fast(comm, x)
+    seq = t.seq
+    comm.allreduce(x)
+    comm.allreduce_(x)
+    comm.barrier()
+    grew = 3 if comm.size > 1 else 0
+    assert t.seq == seq + grew and (comm.size == 1 or t.current == "barrier")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_arguments_take_the_general_path(comm: mt.Communicator) -> None:
+    x = np.ones(4, np.float32)
+    with pytest.raises(mt.ArgumentError, match="read-only"):
+        ro = np.ones(4, np.float32)
+        ro.flags.writeable = False
+        comm.allreduce_(ro)
+    with pytest.raises(mt.ArgumentError, match="out= must be a float32"):
+        comm.allreduce(x, out=np.empty(5, np.float32))
+    with pytest.raises(mt.ArgumentError, match="op"):
+        comm.allreduce(x, op="median")
+    with pytest.raises(mt.DtypeError):
+        comm.allreduce(np.ones(4, bool))
+    assert_equal_all_ranks(comm, comm.allreduce(x), x * comm.size, "after bad arguments")
+
+
+MISMATCHES: dict[str, tuple[Callable[[mt.Communicator, bool], Any], str]] = {
+    "dtype": (lambda c, odd: c.allreduce(np.ones(4, np.float64 if odd else np.float32)),
+              r"rank {last} sent float64\[4\], rank 0 sent float32\[4\]"),
+    "count": (lambda c, odd: c.allreduce(np.ones(4 + odd, np.float32)),
+              r"rank {last} sent float32\[5\], rank 0 sent float32\[4\]"),
+    "op": (lambda c, odd: c.allreduce_(np.ones(4), op=mt.Min if odd else mt.Sum),
+           r"rank {last} sent op min, rank 0 sent op sum"),
+    "name (general path)": (lambda c, odd: c.allreduce(np.ones(4), name="w" if odd else None),
+                            r"rank {last} sent name 'w', rank 0 sent name none"),
+    "barrier": (lambda c, odd: c.barrier() if odd else c.allreduce(np.ones(4)),
+                r"rank {last} called barrier, rank 0 called allreduce"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatch_raises_on_every_rank(comm: mt.Communicator, case: str) -> None:
+    call, pattern = MISMATCHES[case]
+    odd = comm.rank == comm.size - 1
+    for _ in range(2):  # the second time through cached plans
+        expect_mismatch(comm, lambda: call(comm, odd), pattern.format(last=comm.size - 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_latency_benchmark_runs(comm: mt.Communicator,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import latency
+
+    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "2"]) == 0
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        assert "mpitrain allreduce 4 B" in printed and "MPI Barrier" in printed
