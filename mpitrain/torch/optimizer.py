@@ -164,11 +164,12 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                  groups: Any = None, sparse_as_dense: bool = False,
                  process_set: ProcessSet = global_process_set) -> None:
         self.optimizer = optimizer
+        self._process_set = process_set
         comm = communicator(process_set)
         self._options = dict(compression=compression,
                              backward_passes_per_step=backward_passes_per_step, op=op,
                              gradient_predivide_factor=gradient_predivide_factor,
-                             groups=groups, comm=comm)
+                             groups=groups)
         self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
         self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
         if named_parameters is not None:
@@ -183,8 +184,9 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         self._build()
 
     def rebind(self) -> None:
-        """Rebuild the gradient reducer over the default communicator as it is now (after
-        an elastic reset changed it); allreduces in flight on the old one are dropped."""
+        """Rebuild the gradient reducer over the optimizer's process set's communicator as
+        it is now (an elastic reset replaces the global set's); allreduces in flight on the
+        old one are dropped."""
         self._build()
 
     def _build(self) -> None:
@@ -207,10 +209,12 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                                     "optimized parameter(s) are not named; pass "
                                     "model.named_parameters() of the whole model")
         updated = [(names[id(p)], p) for p in params if p.requires_grad]
+        comm = communicator(self._process_set)  # the global set's changes in a reset
         if isinstance(self._bridge, DeltaBridge):
-            self.reducer = AdasumReducer(updated, self._bridge, self.optimizer, **self._options)
+            self.reducer = AdasumReducer(updated, self._bridge, self.optimizer, comm=comm,
+                                         **self._options)
         else:
-            self.reducer = TensorReducer(updated, self._bridge, **self._options)
+            self.reducer = TensorReducer(updated, self._bridge, comm=comm, **self._options)
         me = weakref.ref(self)
         for _, p in updated:
             if id(p) not in self._hooked:
