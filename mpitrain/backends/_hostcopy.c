@@ -29,20 +29,36 @@
  *
  * kind is KIND_FLOAT16 or KIND_BFLOAT16 and op one of the OP_* constants; the arrays
  * are passed as uint16 views of the same length, and dst may be a or b (or src). Each
- * block of BLOCK elements is converted to float32, combined and scaled in float32, and
- * rounded back to nearest even: float16 and bfloat16 arithmetic in numpy and ml_dtypes
- * is defined the same way (float32, then one rounding), so a sum without a factor is
- * bit for bit theirs. MIN and MAX propagate NaN as numpy's minimum and maximum do.
+ * block of BLOCK elements is converted to float32, combined in float32 and rounded back
+ * to nearest even: float16 and bfloat16 arithmetic in numpy and ml_dtypes is defined the
+ * same way (float32, then one rounding), so the results are bit for bit theirs. With a
+ * factor (which the caller rounds as numpy does), the reduced
+ * block is rounded, multiplied in float32 and rounded again: numpy's reduce then
+ * multiply. MIN and MAX pick the operands' bits as numpy's minimum and maximum do.
  * float16 converts with the F16C instructions where the processor has them (checked
  * once at import), else with portable bit manipulation that the compiler vectorizes.
  * They return False without writing when the buffers are not C-contiguous arrays of
  * 2-byte items (4-byte float32 on one side of convert16) of equal length, or dst is
  * read-only.
+ *
+ * And it reads other processes' memory for the single-copy collectives
+ * (mpitrain/algorithms/single_copy.py), with Linux's cross-memory attach:
+ *
+ *   vm_read(pid, local, address) -> local's bytes = process pid's bytes at address
+ *   allow_peers()                -> let any process of this user read ours (Yama)
+ *
+ * vm_read loops until every byte is read and raises OSError (EPERM where the kernel
+ * forbids it, ENOSYS off Linux) otherwise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#endif
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define HAVE_X86 1
@@ -312,6 +328,10 @@ static void reduce_blocks(uint16_t *dst, const uint16_t *a, const uint16_t *b,
         if (b != NULL) {
             widen(y, b + start, m);
             combine(x, y, m, op);
+            if (factor != 1.0f) { /* round the reduction first, as numpy does */
+                narrow(dst + start, x, m);
+                widen(x, dst + start, m);
+            }
         }
         if (factor != 1.0f)
             scale_block(x, m, factor);
@@ -426,6 +446,60 @@ static PyObject *convert16(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* ---- reading peers' memory ------------------------------------------------------ */
+
+static PyObject *vm_read(PyObject *self, PyObject *args) {
+    int pid;
+    PyObject *local;
+    unsigned long long address;
+    Py_buffer view;
+    int err = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOK:vm_read", &pid, &local, &address))
+        return NULL;
+    if (PyObject_GetBuffer(local, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+#ifdef __linux__
+    char *at = view.buf;
+    size_t left = (size_t)view.len;
+    uintptr_t from = (uintptr_t)address;
+    PyThreadState *saved = view.len >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    while (left > 0) {
+        struct iovec mine = {at, left}, theirs = {(void *)from, left};
+        ssize_t got = process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+        if (got <= 0) {
+            err = got < 0 ? errno : EFAULT;
+            break;
+        }
+        at += got;
+        from += (uintptr_t)got;
+        left -= (size_t)got;
+    }
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
+#else
+    (void)pid;
+    (void)address;
+    err = view.len > 0 ? ENOSYS : 0;
+#endif
+    PyBuffer_Release(&view);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *allow_peers(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#if defined(__linux__) && defined(PR_SET_PTRACER)
+    return PyBool_FromLong(prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0);
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* Test hook: convert float16 with F16C (1) or the portable code (0); returns whether F16C
  * was in use. Asking for F16C where the processor lacks it is a ValueError. */
 static PyObject *use_f16c(PyObject *self, PyObject *arg) {
@@ -469,6 +543,12 @@ static PyMethodDef methods[] = {
      "convert16(dst, src, kind) -> bool: dst = src between float32 and float16 or "
      "bfloat16 held in uint16 arrays, rounded to nearest even (False, writing nothing, if "
      "the buffers do not qualify)."},
+    {"vm_read", vm_read, METH_VARARGS,
+     "vm_read(pid, local, address): read len(local) bytes of process pid at address into "
+     "the writable buffer local (process_vm_readv; OSError if the kernel refuses)."},
+    {"allow_peers", allow_peers, METH_NOARGS,
+     "allow_peers() -> bool: prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY), which lets the "
+     "user's other processes read this one's memory under Yama's ptrace_scope 1."},
     {"use_f16c", use_f16c, METH_O,
      "use_f16c(flag) -> bool: convert float16 with F16C or with the portable code (a "
      "test hook); returns whether F16C was in use."},

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError
-from .shm import FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
+from .shm import ADDRESS, FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
 from .transport import Transport
 
 _FP_MASK = (1 << 63) - 1
@@ -125,7 +125,8 @@ class Validator:
         self._table = np.zeros((self.size, HEADER_WORDS), np.int64)
         self.parity = 0
 
-    def exchange(self, sig: Signature | None, rows: int = 0, payload: int = NO_PAYLOAD) -> int:
+    def exchange(self, sig: Signature | None, rows: int = 0, payload: int = NO_PAYLOAD,
+                 address: int = 0) -> int:
         """Publish this rank's header, wait for every rank's, and compare fingerprints.
 
         Args:
@@ -133,6 +134,8 @@ class Validator:
             rows: this rank's row count (allgather); see :meth:`rows`.
             payload: bytes of input this rank left in its shared-memory slot, or
                 ``NO_PAYLOAD``; see :meth:`payloads`.
+            address: the address of this rank's buffer (an allgather's block, for the
+                single-copy algorithm); see :meth:`addresses`.
 
         Returns:
             The shared-memory parity of this exchange (the slots to read), or ``-1``.
@@ -148,6 +151,7 @@ class Validator:
             words[FP * n + r] = fp
             words[ROWS * n + r] = rows
             words[PAYLOAD * n + r] = payload
+            words[ADDRESS * n + r] = address
             shm.wait(shm.arrive())
             if sig is not None:
                 fps = shm.fingerprints[p]
@@ -155,7 +159,7 @@ class Validator:
                     self._raise(sig)
             return p
         mine = self._mine
-        mine[FP], mine[ROWS], mine[PAYLOAD] = fp, rows, payload
+        mine[FP], mine[ROWS], mine[PAYLOAD], mine[ADDRESS] = fp, rows, payload, address
         self.transport.collective(self.comm.Allgather, self.comm.Iallgather, mine, self._table)
         if sig is not None:
             column = self._table[:, FP]
@@ -178,6 +182,12 @@ class Validator:
         if self.shm is not None:
             return self.shm.headers[self.parity, PAYLOAD]
         return self._table[:, PAYLOAD]
+
+    def addresses(self) -> Any:
+        """Every rank's ``address`` of the last exchange (an int64 array)."""
+        if self.shm is not None:
+            return self.shm.headers[self.parity, ADDRESS]
+        return self._table[:, ADDRESS]
 
     def _raise(self, sig: Signature) -> None:
         fields = self.comm.allgather(sig.fields())
