@@ -62,9 +62,10 @@ def test_stripes_and_in_place(single: mt.Communicator, env: pytest.MonkeyPatch) 
 
 @pytest.mark.mpi(min_size=2)
 def test_auto_picks_it_for_large_calls(single: mt.Communicator) -> None:
-    chosen = single.dispatcher.algorithm("allgather", None, 4 << 20, mt.backends.NUMPY,
-                                         np.dtype(np.float32))
-    assert_all_ranks(single, chosen == "single_copy", f"auto chose {chosen}")
+    for collective in ("allreduce", "reduce_scatter"):
+        chosen = single.dispatcher.algorithm(collective, None, 16 << 20, mt.backends.NUMPY,
+                                             np.dtype(np.float32))
+        assert_all_ranks(single, chosen == "single_copy", f"auto chose {chosen}")
 
 
 def _fresh(env: pytest.MonkeyPatch, off_on: set[int]) -> mt.Communicator:
