@@ -56,20 +56,15 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("reduce_scatter", "hierarchical", min_bytes=256 * KiB, min_nodes=2),
     Rule("allgather", "hierarchical", min_bytes=1 * MiB, min_nodes=2),
     # Otherwise, and on one node.
-    # Where the ranks may read each other's memory, one copy per byte (single_copy;
-    # docs/benchmarks.md, "Single-copy collectives").
-    Rule("allreduce", "single_copy", min_bytes=4 * MiB),
     Rule("allreduce", "shm"),
     Rule("allreduce", "mpi", max_bytes=256 * KiB),
     Rule("allreduce", "ring"),
-    Rule("reduce_scatter", "single_copy", min_bytes=128 * KiB),
     Rule("reduce_scatter", "shm"),
     Rule("reduce_scatter", "mpi", max_bytes=64 * KiB),
     Rule("reduce_scatter", "ring"),
     # Above a slot, native Allgather (one copy through shared memory) rather than the
     # shm stripes, which copy into the window and out again.
     Rule("allgather", "shm", max_bytes=64 * KiB),
-    Rule("allgather", "single_copy", min_bytes=1 * MiB, max_ranks=2),
     Rule("allgather", "mpi"),
     Rule("broadcast", "shm"),
     Rule("broadcast", "mpi"),

@@ -60,14 +60,6 @@ def test_stripes_and_in_place(single: mt.Communicator, env: pytest.MonkeyPatch) 
     assert_all_ranks(single, y is x and np.allclose(x, want), "in-place Average")
 
 
-@pytest.mark.mpi(min_size=2)
-def test_auto_picks_it_for_large_calls(single: mt.Communicator) -> None:
-    for collective in ("allreduce", "reduce_scatter"):
-        chosen = single.dispatcher.algorithm(collective, None, 16 << 20, mt.backends.NUMPY,
-                                             np.dtype(np.float32))
-        assert_all_ranks(single, chosen == "single_copy", f"auto chose {chosen}")
-
-
 def _fresh(env: pytest.MonkeyPatch, off_on: set[int]) -> mt.Communicator:
     """A new communicator over every rank, MPITRAIN_SINGLE_COPY=0 on the ranks
     ``off_on`` (their environment only)."""
