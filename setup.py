@@ -48,7 +48,7 @@ def hostcopy_extension() -> Extension:
     digest = hashlib.sha256(HOSTCOPY.read_bytes()).hexdigest()
     return Extension("mpitrain.backends._hostcopy", [str(HOSTCOPY)],
                      define_macros=[("SOURCE_SHA256", f'"{digest}"')],
-                     extra_compile_args=["-O2"])
+                     extra_compile_args=["-O3"])
 
 
 class BuildCompiled(build_ext):

@@ -476,7 +476,20 @@ def header_block(opts: Options, command: str, machine: dict[str, Any],
                      f"{machine['copy_gbps_all']:.1f} GB/s all ranks at once; "
                      f"direct-read busbw bound {bound:.2f} GB/s; peak+ = extra resident MiB "
                      "of a cold call")
+    if "host_path" in machine:
+        lines.append(f"# host path : {machine['host_path']}")
     return [*lines, "#"]
+
+
+def host_path(comm: mt.Communicator) -> str:
+    """How mpitrain's host data moves inside the node: shared memory, and whether the
+    ranks read each other's buffers directly (the single_copy algorithm)."""
+    shm = comm.dispatcher.shm
+    if shm is None:
+        return "no shared memory (several nodes, MPITRAIN_SHM=0 or one rank)"
+    if shm.single_copy:
+        return "shared memory; single copy (process_vm_readv) on"
+    return f"shared memory; single copy off: {shm.single_copy_reason}"
 
 
 def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
@@ -569,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = command_line(args, nranks)
     machine = machine_info(world)
     machine["copy_gbps_one"], machine["copy_gbps_all"] = memory.copy_bandwidth(world)
+    machine["host_path"] = host_path(comm)
     copies = placement.is_device
     table = Table(opts.impls, opts.variants, [Column("d2d", "(GB/s)", 8)] if copies else ())
     emit(header_block(opts, command, machine, placement.describe(comm)) + table.header())

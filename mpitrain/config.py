@@ -134,6 +134,10 @@ CHECK = Setting("MPITRAIN_CHECK", _parse_bool, True,
 SHM = Setting("MPITRAIN_SHM", _parse_bool, True,
               "Use shared-memory windows between the ranks of one node (validation, shm "
               "algorithm); read when a communicator is created.")
+SINGLE_COPY = Setting("MPITRAIN_SINGLE_COPY", _parse_bool, True,
+                      "Let ranks of one node read each other's buffers directly "
+                      "(process_vm_readv) in the single_copy algorithm; read when a "
+                      "communicator is created, off on every rank if off on any.")
 
 FUSION_THRESHOLD = Setting("MPITRAIN_FUSION_THRESHOLD", _parse_size, 64 << 20,
                            "Async allreduces are packed into fusion buffers of up to this "

@@ -22,19 +22,21 @@ from .recursive_doubling import RecursiveDoublingAllgather, RecursiveDoublingAll
 from .recursive_halving import RecursiveHalvingReduceScatter
 from .ring import RingAllgather, RingAllreduce, RingReduceScatter
 from .shared_memory import ShmAllgather, ShmAllreduce, ShmBroadcast, ShmReduceScatter
+from .single_copy import SingleCopyAllgather, SingleCopyAllreduce, SingleCopyReduceScatter
 
 # collective -> algorithm name -> class; the first name is the fallback of "auto".
 REGISTRY: dict[str, dict[str, type[Plan]]] = {
     "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce, "shm": ShmAllreduce,
                   "recursive_doubling": RecursiveDoublingAllreduce,
                   "rabenseifner": RabenseifnerAllreduce,
-                  "hierarchical": HierarchicalAllreduce},
+                  "hierarchical": HierarchicalAllreduce, "single_copy": SingleCopyAllreduce},
     "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter,
                        "shm": ShmReduceScatter, "recursive_halving": RecursiveHalvingReduceScatter,
-                       "hierarchical": HierarchicalReduceScatter},
+                       "hierarchical": HierarchicalReduceScatter,
+                       "single_copy": SingleCopyReduceScatter},
     "allgather": {"ring": RingAllgather, "mpi": NativeAllgather, "shm": ShmAllgather,
                   "recursive_doubling": RecursiveDoublingAllgather, "bruck": BruckAllgather,
-                  "hierarchical": HierarchicalAllgather},
+                  "hierarchical": HierarchicalAllgather, "single_copy": SingleCopyAllgather},
     "broadcast": {"mpi": NativeBroadcast, "shm": ShmBroadcast},
 }
 

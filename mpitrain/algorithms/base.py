@@ -22,7 +22,9 @@ algorithm says otherwise) tell the dispatcher how to call ``run``:
 * ``point_to_point``: every byte moves through the transport's isend/irecv, so a
   device transport can stand in for the host one;
 * ``needs_shared_memory``: it runs only when every rank is on one node, on host
-  buffers.
+  buffers;
+* ``needs_single_copy``: it also reads other ranks' memory directly
+  (:attr:`~mpitrain.comm.shm.SharedMemory.single_copy`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Plan(Protocol):
     takes_pieces: ClassVar[bool] = False
     point_to_point: ClassVar[bool] = False
     needs_shared_memory: ClassVar[bool] = False
+    needs_single_copy: ClassVar[bool] = False
 
     def __init__(self, req: PlanRequest) -> None:
         """Plan everything the calls of ``req``'s shape need."""

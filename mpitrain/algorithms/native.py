@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..backends import ArrayBackend
+from ..backends import ArrayBackend, hostcopy
 from ..dtypes import mpi_reduces_natively
 from ..ops import ReduceOp
 from .base import Plan, PlanRequest, Signature
@@ -62,7 +62,8 @@ def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
 
     User-defined (our numpy reduction) for float16/bf16, and for Min/Max of floats:
     Open MPI's ``MPI_MIN``/``MPI_MAX`` drop NaN, numpy's propagate it, and every
-    algorithm must give the same result.
+    algorithm must give the same result. float16 and bfloat16 reduce in the
+    :mod:`~mpitrain.backends.hostcopy` extension where it is built.
     """
     if mpi_reduces_natively(dt) and not (op in (ReduceOp.MIN, ReduceOp.MAX)
                                          and dt.kind == "f"):
@@ -72,7 +73,8 @@ def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
     def reduce(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
         a = np.frombuffer(inbuf, dtype=dt)
         b = np.frombuffer(inoutbuf, dtype=dt)
-        ufunc(a, b, out=b)
+        if not hostcopy.reduce16(b, a, b, op):
+            ufunc(a, b, out=b)
 
     return MPI.Op.Create(reduce, commute=True)
 

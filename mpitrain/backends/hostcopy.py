@@ -1,4 +1,5 @@
-"""One-call gather and scatter between a flat host buffer and many arrays.
+"""One-call gather and scatter between a flat host buffer and many arrays, and
+16-bit float reductions at memory speed.
 
 The numpy backend packs a fusion bucket's arrays into flat buffers and copies results
 back out of them (:meth:`~.numpy_backend.NumpyBackend.pack_into`,
@@ -15,6 +16,25 @@ C-contiguous, has another item format or none, a destination is read-only, the s
 do not add up); the caller then copies with numpy. Importing refuses an extension
 built from another version of ``_hostcopy.c`` (as :mod:`mpitrain.engine` does for its
 compiled modules), so an edit is never silently ignored.
+
+numpy computes float16 arithmetic one element at a time (about ten times slower than
+float32 of the same length) and ml_dtypes' bfloat16 is no faster. :func:`reduce16` and
+:func:`scale16` reduce and scale float16 and bfloat16 arrays in the extension: blocks
+converted to float32 (F16C where the processor has it), combined and scaled there, and
+rounded back to nearest even. The results are bit for bit numpy's (both compute in
+float32 and round once per operation; a factor is first rounded as numpy rounds a
+Python float: to float16 for float16, to float32 for bfloat16), except which NaN's
+payload a NaN + NaN keeps. They return ``False`` without writing when the extension is
+not built or the arrays do not qualify (not C-contiguous, dtypes or lengths that
+differ, a read-only destination); the caller then uses numpy.
+:func:`convert16` casts between float32 and float16/bfloat16 likewise (numpy's float16
+cast is about as slow as its arithmetic): the numpy backend's ``cast_into`` and the
+``fp16``/``bf16`` gradient compressors use it.
+
+:func:`read_peer` reads another process's memory with Linux's ``process_vm_readv``
+(cross-memory attach), for the single-copy collectives
+(:mod:`mpitrain.algorithms.single_copy`); :mod:`mpitrain.comm.shm` probes whether the
+ranks may.
 """
 
 from __future__ import annotations
@@ -23,7 +43,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from .._builds import check_source
+from ..dtypes import BFLOAT16
+from ..ops import ReduceOp
 
 SOURCE = Path(__file__).with_name("_hostcopy.c")
 
@@ -61,9 +85,100 @@ scatter = _unavailable if _EXTENSION is None else _EXTENSION.scatter
 (``False``, copying nothing, if that cannot be done byte for byte)."""
 
 
+_KIND = {np.dtype(np.float16): 0} | ({BFLOAT16: 1} if BFLOAT16 is not None else {})
+"""The extension's ``KIND_*`` code of each 16-bit float dtype."""
+_OP = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2,
+       ReduceOp.MAX: 3}
+"""The extension's ``OP_*`` code of each elementwise reduction (Average adds)."""
+
+
+def _factor(dtype: Any, factor: float) -> float:
+    """``factor`` as numpy multiplies an array of ``dtype`` by a Python float: rounded to
+    float16 for float16; as float32 for bfloat16 (ml_dtypes computes in float32)."""
+    return float(np.float16(factor) if dtype == np.float16 else np.float32(factor))
+
+
+def reduce16(dst: Any, a: Any, b: Any, op: ReduceOp, factor: float = 1.0) -> bool:
+    """``dst = (a <op> b) * factor`` for float16 or bfloat16 numpy arrays of one dtype and
+    length (``dst`` may be ``a`` or ``b``), rounded as numpy's reduce then multiply by a
+    Python float; ``False``, writing nothing, where the
+    extension cannot do it (then use numpy)."""
+    kind = _KIND.get(dst.dtype)
+    if (_EXTENSION is None or kind is None or a.dtype != dst.dtype
+            or b.dtype != dst.dtype):
+        return False
+    return bool(_EXTENSION.reduce16(dst.view(np.uint16), a.view(np.uint16),
+                                    b.view(np.uint16), kind, _OP[op],
+                                    _factor(dst.dtype, factor)))
+
+
+def scale16(dst: Any, src: Any, factor: float) -> bool:
+    """``dst = src * factor`` for float16 or bfloat16 numpy arrays of one dtype and
+    length (``dst`` may be ``src``); ``False``, writing nothing, where the extension cannot
+    do it (then use numpy)."""
+    kind = _KIND.get(dst.dtype)
+    if _EXTENSION is None or kind is None or src.dtype != dst.dtype:
+        return False
+    return bool(_EXTENSION.scale16(dst.view(np.uint16), src.view(np.uint16), kind,
+                                   _factor(dst.dtype, factor)))
+
+
+def convert16(dst: Any, src: Any) -> bool:
+    """``dst = src`` between float32 and float16 or bfloat16 numpy arrays of one length
+    (rounded to nearest even, as numpy's and ml_dtypes' casts); ``False``, writing
+    nothing, where the extension cannot do it (then use numpy, about ten times slower
+    for float16)."""
+    f32 = np.dtype(np.float32)
+    if dst.dtype == f32:
+        kind, half, wide = _KIND.get(src.dtype), src, dst
+    elif src.dtype == f32:
+        kind, half, wide = _KIND.get(dst.dtype), dst, src
+    else:
+        return False
+    if _EXTENSION is None or kind is None:
+        return False
+    return bool(_EXTENSION.convert16(dst if wide is dst else half.view(np.uint16),
+                                     src if wide is src else half.view(np.uint16), kind))
+
+
+def address(arr: Any) -> int:
+    """The address of a numpy array's first byte."""
+    return int(arr.__array_interface__["data"][0])
+
+
+def read_peer(pid: int, local: Any, remote: int) -> None:
+    """Copy ``local.nbytes`` bytes of process ``pid`` at address ``remote`` into the
+    C-contiguous numpy array ``local`` (any dtype).
+
+    Raises:
+        OSError: the kernel refused (another user, Yama's ptrace_scope, a container
+            without CAP_SYS_PTRACE, a bad address), or the extension is not built.
+    """
+    if _EXTENSION is None:
+        raise OSError("the _hostcopy extension, which reads other processes' memory, is "
+                      "not built")
+    _EXTENSION.vm_read(pid, local.reshape(-1).view(np.uint8), remote)
+
+
+def yama_scope() -> int:
+    """Yama's ``kernel.yama.ptrace_scope`` (0 where Yama is absent)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def allow_peers() -> bool:
+    """Under Yama's ptrace_scope 1, let this user's other processes read this one's
+    memory (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``); True if that took effect."""
+    return _EXTENSION is not None and bool(_EXTENSION.allow_peers())
+
+
 def compiled() -> bool:
     """True if the C extension is built (else every copy goes through numpy)."""
     return _EXTENSION is not None
 
 
-__all__ = ["check", "compiled", "gather", "scatter"]
+__all__ = ["address", "allow_peers", "check", "compiled", "convert16", "gather", "read_peer",
+           "reduce16", "scale16", "scatter", "yama_scope"]

@@ -25,6 +25,12 @@ was written for ``t - 2``.
 
 Stores are ordered before the counter store, and loads after the counter load, by
 ``MPI_Win_sync`` (a full memory barrier in Open MPI and MPICH).
+
+``single_copy`` says whether the ranks may read each other's private memory with
+``process_vm_readv`` (:mod:`mpitrain.algorithms.single_copy`). :func:`create` finds
+out once, collectively: every rank reads a marker from every other rank, and it is on
+only if every read on every rank succeeded (so every rank agrees), and
+``MPITRAIN_SINGLE_COPY`` is on everywhere.
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..backends import hostcopy
+
 HEADER_WORDS = 4
-"""int64 words of a slot header: fingerprint, row count, payload bytes, spare."""
-FP, ROWS, PAYLOAD = 0, 1, 2
+"""int64 words of a slot header: fingerprint, row count, payload bytes, buffer address
+(of an allgather's block, for the single-copy algorithm)."""
+FP, ROWS, PAYLOAD, ADDRESS = 0, 1, 2, 3
 NO_PAYLOAD = -1
 """A header's payload field when the rank left no data in its slot."""
 CACHE_LINE = 64
@@ -104,6 +113,10 @@ class SharedMemory:
         # An object whose ``waiting`` is True while a barrier waits (the transport: the
         # stall inspector serves that flag to the other ranks).
         self.waiter: Any = None
+        # True if every rank can read every other rank's memory (set by create()).
+        self.single_copy = False
+        self.single_copy_reason = "not probed"
+        self.pids: list[int] = []  # every rank's process id, where single_copy
 
     @property
     def next_parity(self) -> int:
@@ -211,12 +224,54 @@ class SharedMemory:
             self.win.Free()
 
 
+MARKER = 0x6D70_6974_7261_696E
+"""Mixed into the word every rank offers to be read by the others in the probe."""
+
+
+def probe_single_copy(comm: MPI.Intracomm, enabled: bool) -> tuple[bool, str, list[int]]:
+    """Whether every rank can read every other rank's memory, why not, and every rank's
+    pid (collective; every rank gets the same answer).
+
+    Each rank offers a marker (its pid and rank, mixed with :data:`MARKER`); every
+    rank reads every other's with ``process_vm_readv``. Under Yama's ptrace_scope 1,
+    a rank first lets this user's processes read it (``PR_SET_PTRACER_ANY``).
+    """
+    rank = comm.Get_rank()
+    wanted = enabled and hostcopy.compiled()
+    if not comm.allreduce(wanted, op=MPI.LAND):
+        return False, ("MPITRAIN_SINGLE_COPY=0 or the _hostcopy extension not built on "
+                       "some rank"), []
+    if hostcopy.yama_scope() == 1:
+        hostcopy.allow_peers()
+    marker = np.array([os.getpid() ^ MARKER, rank], np.int64)
+    peers = comm.allgather((os.getpid(), hostcopy.address(marker)))
+    read = np.zeros(2, np.int64)
+    error = ""
+    for q, (pid, where) in enumerate(peers):
+        if q == rank:
+            continue
+        try:
+            hostcopy.read_peer(pid, read, where)
+        except OSError as exc:
+            error = f"rank {rank} cannot read rank {q}: {exc}"
+            break
+        if read[0] != pid ^ MARKER or read[1] != q:
+            error = f"rank {rank} read a wrong marker from rank {q}"
+            break
+    # the allgather also keeps every marker alive until every rank has read
+    errors = [e for e in comm.allgather(error) if e]
+    return (not errors, errors[0] if errors else "every rank reads every other",
+            [pid for pid, _ in peers])
+
+
 def create(comm: MPI.Intracomm, single_node: bool, enabled: bool, slot_bytes: int,
-           arena_bytes: int) -> SharedMemory | None:
+           arena_bytes: int, single_copy: bool = False) -> SharedMemory | None:
     """A :class:`SharedMemory` for ``comm`` if every rank agrees it can have one.
 
     Collective. Returns ``None`` on every rank when shared memory is disabled on any
     rank, the ranks span several nodes, or the window cannot be allocated anywhere.
+    With ``single_copy``, also probes whether the ranks can read each other's memory
+    (:func:`probe_single_copy`).
     """
     wanted = bool(single_node and enabled and comm.Get_size() > 1)
     if not comm.allreduce(wanted, op=MPI.LAND):
@@ -230,4 +285,6 @@ def create(comm: MPI.Intracomm, single_node: bool, enabled: bool, slot_bytes: in
         if shm is not None:
             shm.free()
         return None
+    assert shm is not None
+    shm.single_copy, shm.single_copy_reason, shm.pids = probe_single_copy(comm, single_copy)
     return shm

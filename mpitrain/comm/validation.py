@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError
-from .shm import FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
+from .shm import ADDRESS, FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
 from .transport import Transport
 
 _FP_MASK = (1 << 63) - 1
@@ -129,8 +129,10 @@ class Validator:
         # its fingerprint goes to ``shm.fingerprints`` instead, beside the barrier counters
         n, r = self.size, self.rank
         self._rows_at, self._payload_at = ROWS * n + r, PAYLOAD * n + r
+        self._address_at = ADDRESS * n + r
 
-    def exchange(self, sig: Signature | None, rows: int = 0, payload: int = NO_PAYLOAD) -> int:
+    def exchange(self, sig: Signature | None, rows: int = 0, payload: int = NO_PAYLOAD,
+                 address: int = 0) -> int:
         """Publish this rank's header, wait for every rank's, and compare fingerprints.
 
         Args:
@@ -138,6 +140,8 @@ class Validator:
             rows: this rank's row count (allgather); see :meth:`rows`.
             payload: bytes of input this rank left in its shared-memory slot, or
                 ``NO_PAYLOAD``; see :meth:`payloads`.
+            address: the address of this rank's buffer (an allgather's block, for the
+                single-copy algorithm); see :meth:`addresses`.
 
         Returns:
             The shared-memory parity of this exchange (the slots to read), or ``-1``.
@@ -152,11 +156,12 @@ class Validator:
             words = shm.header_words[p]
             words[self._rows_at] = rows
             words[self._payload_at] = payload
+            words[self._address_at] = address
             if not shm.agree(fp) and sig is not None:
                 self.raise_mismatch(sig)
             return p
         mine = self._mine
-        mine[FP], mine[ROWS], mine[PAYLOAD] = fp, rows, payload
+        mine[FP], mine[ROWS], mine[PAYLOAD], mine[ADDRESS] = fp, rows, payload, address
         self.transport.collective(self.comm.Allgather, self.comm.Iallgather, mine, self._table)
         if sig is not None:
             column = self._table[:, FP]
@@ -196,6 +201,12 @@ class Validator:
         if self.shm is not None:
             return self.shm.headers[self.parity, PAYLOAD]
         return self._table[:, PAYLOAD]
+
+    def addresses(self) -> Any:
+        """Every rank's ``address`` of the last exchange (an int64 array)."""
+        if self.shm is not None:
+            return self.shm.headers[self.parity, ADDRESS]
+        return self._table[:, ADDRESS]
 
     def raise_mismatch(self, sig: Signature) -> None:
         """Raise :class:`~mpitrain.MismatchError` naming every disagreeing rank and value

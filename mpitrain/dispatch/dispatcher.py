@@ -36,7 +36,7 @@ from mpi4py import MPI
 from .. import algorithms, config
 from ..algorithms import Plan, PlanRequest
 from ..algorithms.chunks import bounds_from_counts, split_bounds
-from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_for
+from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_for, hostcopy
 from ..comm import objects
 from ..comm import shm as shared
 from ..comm.inspector import StallLimits
@@ -108,7 +108,7 @@ class Dispatcher:
         # shared-memory barrier, which would wait for it forever.
         self.shm = shared.create(self.mpi_comm, self.topology.local_size == self.size,
                                  config.SHM.get(shared_memory) and not config.ELASTIC.get(),
-                                 SLOT_BYTES, ARENA_BYTES)
+                                 SLOT_BYTES, ARENA_BYTES, config.SINGLE_COPY.get())
         if self.shm is not None:
             self.transport.watch(self.shm)
         self.validator = Validator(self.transport, self.shm)
@@ -209,8 +209,11 @@ class Dispatcher:
         names = self._available.get(key)
         if names is None:
             shm_ok = self.shm is not None and be is NUMPY
+            peers_ok = shm_ok and self.shm is not None and self.shm.single_copy
+            plans = algorithms.REGISTRY[collective]
             names = tuple(a for a in algorithms.ALGORITHMS[collective]
-                          if shm_ok or not algorithms.REGISTRY[collective][a].needs_shared_memory)
+                          if (shm_ok or not plans[a].needs_shared_memory)
+                          and (peers_ok or not plans[a].needs_single_copy))
             self._available[key] = names
         return names
 
@@ -480,7 +483,10 @@ class Dispatcher:
         # a small block rides the exchange in this rank's shared-memory slot
         payload = self.shm.offer(be.as_bytes(block)) \
             if self.shm is not None and be is NUMPY else NO_PAYLOAD
-        self.validator.exchange(sig, rows=arr.shape[0], payload=payload)
+        # where the others may read the block (the single_copy algorithm)
+        address = hostcopy.address(block) \
+            if self.shm is not None and self.shm.single_copy and be is NUMPY else 0
+        self.validator.exchange(sig, rows=arr.shape[0], payload=payload, address=address)
         rows = self.validator.rows()
         row = row_size(arr.shape)
         counts = tuple(r * row for r in rows)
