@@ -14,7 +14,6 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain import config
 
 from .. import gloo
 from ..hooks import (
@@ -54,15 +53,12 @@ def _expected(case: Case) -> Array:
 
 def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
               inplace: bool) -> Call:
-    # "auto" is measured as users call it, with no algorithm= (which the fast path of
-    # small calls needs): the same selection unless MPITRAIN_ALGORITHM names another
-    requested = None if algorithm == "auto" and config.ALGORITHM.get() == "auto" else algorithm
     if inplace:
         buf = data.copy()
-        return Call(lambda: comm.allreduce_(buf, op=case.op, algorithm=requested),
+        return Call(lambda: comm.allreduce_(buf, op=case.op, algorithm=algorithm),
                     restore(buf, data))
     out = np.empty_like(data)
-    return Call(lambda: comm.allreduce(data, op=case.op, algorithm=requested, out=out),
+    return Call(lambda: comm.allreduce(data, op=case.op, algorithm=algorithm, out=out),
                 functools.partial(poison, out))
 
 

@@ -265,43 +265,46 @@ class Dispatcher:
                   out: Array | None = None, name: str | None = None, *,
                   stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.allreduce`."""
-        if (type(x) is np.ndarray and algorithm is None and name is None
+        if (type(x) is np.ndarray and name is None
+                and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            entry = self._small.get((x.dtype, x.shape, op))  # small_allreduce(), inlined
+            entry = self._small.get((x.dtype, x.shape, op, algorithm))  # small_allreduce()
             small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
-                self.small_allreduce(x, op)
+                self.small_allreduce(x, op, algorithm)
             if small is not None and (out is None or fits_out(x, out)):
                 return small.allreduce(x, out)
         return self._allreduce(x, op, algorithm, prescale_factor, postscale_factor, out, name,
                                stream=stream)
 
-    def small_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str) -> SmallAllreduce | None:
-        """The fast-path plan (:mod:`.fastpath`) of an allreduce of ``x`` with ``op`` and
-        default arguments, made on first use; ``None`` if the call needs the general path."""
+    def small_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                        algorithm: str | None = None) -> SmallAllreduce | None:
+        """The fast-path plan (:mod:`.fastpath`) of an allreduce of ``x`` with ``op``,
+        ``algorithm`` (as requested: ``None``, ``"auto"`` or a name) and otherwise default
+        arguments, made on first use; ``None`` if the call needs the general path."""
         texts = config.plan_texts()
-        entry = self._small.get((x.dtype, x.shape, op))
+        entry = self._small.get((x.dtype, x.shape, op, algorithm))
         if entry is not None and entry[0] == texts:
             return entry[1]
-        return self._remember_small(x, op, texts)
+        return self._remember_small(x, op, algorithm, texts)
 
     def _remember_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
-                        texts: tuple[Any, ...]) -> SmallAllreduce | None:
-        small = self._plan_small(x, op, texts)
+                        algorithm: str | None, texts: tuple[Any, ...]) -> SmallAllreduce | None:
+        small = self._plan_small(x, op, algorithm, texts)
         if len(self._small) >= SMALL_CACHE_SIZE:
             self._small.clear()
-        self._small[(x.dtype, x.shape, op)] = (texts, small)
+        self._small[(x.dtype, x.shape, op, algorithm)] = (texts, small)
         return small
 
     def _plan_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
-                    texts: tuple[Any, ...]) -> SmallAllreduce | None:
+                    algorithm: str | None, texts: tuple[Any, ...]) -> SmallAllreduce | None:
         try:  # invalid input: the general path raises, with its messages
             rop = op if type(op) is ReduceOp else parse_op(op)
             if rop is ReduceOp.ADASUM:
                 return None
             dt = self.check_reducible(x, rop)
             nbytes = x.size * dt.itemsize
-            alg = self.algorithm("allreduce", None, nbytes, NUMPY, dt)
+            alg = self.algorithm("allreduce", algorithm, nbytes, NUMPY, dt)
         except MpitrainError:
             return None
         shape = tuple(x.shape)
@@ -339,10 +342,11 @@ class Dispatcher:
                    postscale_factor: float = 1.0, name: str | None = None, *,
                    stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.allreduce_`."""
-        if (type(x) is np.ndarray and algorithm is None and name is None
+        if (type(x) is np.ndarray and name is None
+                and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            small = self.small_allreduce(x, op)
+            small = self.small_allreduce(x, op, algorithm)
             if small is not None and x.flags.writeable:
                 return small.allreduce(x, x)
         return self._allreduce_(x, op, algorithm, prescale_factor, postscale_factor, name,

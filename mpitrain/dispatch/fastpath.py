@@ -1,13 +1,15 @@
-"""The small-allreduce fast path: a blocking allreduce planned once per (dtype, shape, op).
+"""The small-allreduce fast path: a blocking allreduce planned once per (dtype, shape, op,
+requested algorithm).
 
 A blocking allreduce of a small numpy array spends far longer in Python than in moving
 its bytes: argument checks, the algorithm choice, the signature, the plan lookup and
 the backend scope cost microseconds, against well under one for the data. So the
-dispatcher keeps, per ``(dtype, shape, op)`` of a call made with default arguments (no
-``algorithm``, ``name`` or scaling), a :class:`SmallAllreduce` that did all of that once:
+dispatcher keeps, per ``(dtype, shape, op, algorithm)`` of a call without ``name`` or
+scaling (``algorithm`` as requested: none, ``"auto"`` or a name), a
+:class:`SmallAllreduce` that did all of that once:
 
 * at one rank, the call is a copy (or nothing, in place);
-* on one node with shared memory, when the selection table picks ``shm`` and the array
+* on one node with shared memory, when the algorithm resolves to ``shm`` and the array
   fits a slot, it is the ``shm`` algorithm's small case with nothing around it: the
   input is copied into this rank's slot, the validation exchange (one barrier, with the
   same fingerprint as the general path's signature) runs, and the slots are reduced in

@@ -91,8 +91,13 @@ def test_plans_follow_dtype_shape_op_and_configuration(comm: mt.Communicator,
     assert d.small_allreduce(np.ones(8, np.float64), mt.Sum) is not plan
     assert d.small_allreduce(np.ones((2, 4), np.float32), mt.Sum) is not plan
     assert d.small_allreduce(a, mt.Max) is not plan
+    auto = d.small_allreduce(a, mt.Sum, "auto")  # algorithm="auto": a plan of its own
+    assert auto is not None and auto is not plan and auto.sig == plan.sig
+    assert d.small_allreduce(a, mt.Sum, "auto") is auto
+    assert_equal_all_ranks(comm, comm.allreduce(a, algorithm="auto"), a * comm.size, "auto")
     if comm.size > 1:
         assert plan.sig is not None
+        assert d.small_allreduce(a, mt.Sum, "ring") is None  # asked for: general path
         env.setenv("MPITRAIN_CHECK", "0")
         unchecked = fast(comm, a)
         assert unchecked is not plan and unchecked.sig is None
@@ -140,6 +145,8 @@ def test_bad_arguments_take_the_general_path(comm: mt.Communicator) -> None:
         comm.allreduce(x, op="median")
     with pytest.raises(mt.DtypeError):
         comm.allreduce(np.ones(4, bool))
+    with pytest.raises(mt.ArgumentError, match="nope"):
+        comm.allreduce(x, algorithm="nope")
     assert_equal_all_ranks(comm, comm.allreduce(x), x * comm.size, "after bad arguments")
 
 
@@ -152,6 +159,8 @@ MISMATCHES: dict[str, tuple[Callable[[mt.Communicator, bool], Any], str]] = {
            r"rank {last} sent op min, rank 0 sent op sum"),
     "name (general path)": (lambda c, odd: c.allreduce(np.ones(4), name="w" if odd else None),
                             r"rank {last} sent name 'w', rank 0 sent name none"),
+    "algorithm": (lambda c, odd: c.allreduce(np.ones(4), algorithm="ring" if odd else "auto"),
+                  r"rank {last} sent algorithm ring, rank 0 sent algorithm shm"),
     "barrier": (lambda c, odd: c.barrier() if odd else c.allreduce(np.ones(4)),
                 r"rank {last} called barrier, rank 0 called allreduce"),
 }
