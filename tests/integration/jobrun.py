@@ -97,7 +97,16 @@ def finish(proc: subprocess.Popen[str], timeout: float, started: float | None = 
                       time.monotonic() - started)
 
 
+NOT_STARTED = "The PMIx server's listener thread failed to start"
+"""What Open MPI's launcher prints when it fails before starting any rank (seen now and
+then when many jobs start in quick succession): the job never ran, so it is run again."""
+
+
 def run(cmd: list[str], timeout: float, **env: str) -> Result:
-    """Run ``cmd`` to completion (or to ``timeout``)."""
+    """Run ``cmd`` to completion (or to ``timeout``); once more if MPI's launcher failed
+    before starting any rank (:data:`NOT_STARTED`)."""
     started = time.monotonic()
-    return finish(start(cmd, **env), timeout, started)
+    result = finish(start(cmd, **env), timeout, started)
+    if NOT_STARTED in result.out:
+        result = finish(start(cmd, **env), timeout, time.monotonic())
+    return result
