@@ -11,14 +11,14 @@ Horovod: ``op`` is out of place, ``op_`` in place, ``op_async``/``op_async_`` re
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from mpi4py import MPI
 
 from .comm.topology import Topology
 from .dispatch import Dispatcher, device_policy
-from .engine import Engine, EngineStats, Handle
-from .errors import CommunicationError
+from .engine import JOIN_SERVES_ALL, Engine, EngineStats, Handle
+from .errors import ArgumentError, CommunicationError
 from .ops import ReduceOp
 
 Array = Any
@@ -50,6 +50,7 @@ class Communicator:
                                      shared_memory=shared_memory)
         self.mpi_comm: MPI.Intracomm = self.dispatcher.mpi_comm
         self._engine: Engine | None = None
+        self._join_serves = JOIN_SERVES_ALL
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -250,6 +251,27 @@ class Communicator:
         """
         return self.engine().join()
 
+    @property
+    def join_serves(self) -> frozenset[str]:
+        """The kinds of async operation that ranks in :meth:`join` take part in: all of
+        ``allreduce`` (grouped ones included), ``reduce_scatter``, ``allgather`` and
+        ``broadcast`` by default. An operation of a kind left out, submitted while some
+        ranks are in ``join()``, fails with :class:`~mpitrain.CommunicationError` on the
+        ranks that submitted it (``mpitrain.torch`` keeps ``allreduce`` only, as
+        Horovod). Set it to the same value on every rank."""
+        return self._join_serves
+
+    @join_serves.setter
+    def join_serves(self, kinds: Iterable[str]) -> None:
+        serves = frozenset(kinds)
+        unknown = sorted(serves - JOIN_SERVES_ALL)
+        if unknown:
+            raise ArgumentError(f"rank {self.rank}: join_serves: unknown kinds {unknown}; "
+                                f"choose from {sorted(JOIN_SERVES_ALL)}")
+        self._join_serves = serves
+        if self._engine is not None:
+            self._engine.join_serves = serves
+
     # -- asynchronous collectives ------------------------------------------------------
     def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -365,6 +387,7 @@ class Communicator:
             engine = self._engine = Engine(d.mpi_comm, check=d.check,
                                            shared_memory=d.shm is not None,
                                            stall=d.transport.inspector.limits)
+            engine.join_serves = self._join_serves
         return engine
 
     # -- lifetime ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from . import engine as _engine_module
 from . import fusion as _fusion_module
 from . import negotiation as _negotiation_module
 from . import request as _request_module
-from .engine import Engine, EngineStats
+from .engine import JOIN_SERVES_ALL, Engine, EngineStats
 from .request import Handle
 
 _CORE = (_request_module, _fusion_module, _negotiation_module, _engine_module)
@@ -55,4 +55,4 @@ def _check_compiled() -> None:
 
 _check_compiled()
 
-__all__ = ["Engine", "EngineStats", "Handle", "compiled"]
+__all__ = ["JOIN_SERVES_ALL", "Engine", "EngineStats", "Handle", "compiled"]

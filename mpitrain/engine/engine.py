@@ -67,10 +67,13 @@ REFUSED = "refused"
 JOIN = "join"
 """The kind (and name) of the handle a caller of :meth:`Engine.join` waits on."""
 Blueprint = tuple[str, str, float, float, Any, int, bool, bool, str,
-                  list[tuple[Any, tuple[int | None, ...]]]]
+                  list[tuple[Any, tuple[int | None, ...]]], bool]
 """What a rank in ``join()`` needs to stand in for a request it never submitted: kind,
-op, prescale, postscale, algorithm, root, inplace, grouped, backend name and the
-(dtype, shape) of each array."""
+op, prescale, postscale, algorithm, root, inplace, grouped, backend name, the
+(dtype, shape) of each array, and whether ranks in ``join()`` take part in it at all
+(the submitting rank's :attr:`Engine.join_serves`)."""
+JOIN_SERVES_ALL = frozenset({"allreduce", "reduce_scatter", "allgather", "broadcast"})
+"""Every kind of async operation: what ranks in ``join()`` take part in by default."""
 EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
@@ -141,6 +144,13 @@ class Engine:
         self._join: Request | None = None  # the handle of this rank's join() in progress
         self.joined: list[int] = []
         """The ranks in ``join()`` as of this rank's last cycle."""
+        self.join_serves: frozenset[str] = JOIN_SERVES_ALL
+        """The kinds of operation (``allreduce``, grouped ones included,
+        ``reduce_scatter``, ``allgather``, ``broadcast``) that ranks in ``join()`` take
+        part in. An operation of another kind, submitted while some ranks are in
+        ``join()``, fails with :class:`~mpitrain.CommunicationError` on the ranks that
+        submitted it. The submitting ranks' setting decides (the lowest rank's, should
+        they differ), so every rank reaches the same verdict."""
         self._finished = False
         self._freed = False
         self._worker = threading.Thread(target=self._loop, daemon=True,
@@ -588,7 +598,8 @@ class Engine:
         rank. The ranks tell each other what each missing name they submitted is
         (:data:`Blueprint`; the lowest such rank's word counts)."""
         pending, missing, mismatched = self._pending, agreement.missing, agreement.mismatched
-        mine = {name: _blueprint(pending[name]) for name in missing
+        serves = self.join_serves
+        mine = {name: _blueprint(pending[name], serves) for name in missing
                 if name not in mismatched and name in pending}
         blueprints: dict[str, Blueprint | None] = {}
         for theirs in self._negotiator.share(mine):
@@ -606,6 +617,14 @@ class Engine:
                 if request.spec.kind == REFUSED:  # its caller has had the error
                     request.error = ArgumentError(request.spec.signature)
                     self._finish([request])
+                elif blueprint is not None and not blueprint[10]:
+                    request.error = CommunicationError(
+                        f"rank {self.rank}: the {blueprint[0]} {name!r} cannot run while "
+                        f"ranks {missing[name]} are in join(): ranks in join() take part "
+                        f"in {', '.join(sorted(self.join_serves)) or 'nothing'} only here. "
+                        "Finish the other collectives before any rank joins (for "
+                        "DistributedOptimizer with sparse gradients: sparse_as_dense=True)")
+                    self._finish([request])
                 elif blueprint is not None and blueprint[0] == "broadcast" \
                         and blueprint[5] in missing.get(name, ()):
                     request.error = CommunicationError(
@@ -616,7 +635,7 @@ class Engine:
                     self._finish([request])
                 else:
                     runnable.append(request)
-            elif blueprint is not None and not (
+            elif blueprint is not None and blueprint[10] and not (
                     blueprint[0] == "broadcast" and blueprint[5] in missing[name]):
                 runnable.append(self._stand_in(name, blueprint))
         return ready, runnable
@@ -649,7 +668,7 @@ class Engine:
     def _stand_in_spec(self, blueprint: Blueprint, be: ArrayBackend, made: list[Any]) -> Spec:
         """The spec of a stand-in (:meth:`_stand_in`): built by the same checks as the
         submitters' specs, so that it fuses and runs the same way."""
-        kind, op, pre, post, algorithm, root, inplace, grouped, _, arrays = blueprint
+        kind, op, pre, post, algorithm, root, inplace, grouped, _, arrays, _ = blueprint
         if grouped:
             entries = [Entry(a, be, a.dtype) for a in made]
             return self._group_spec(entries, op, pre, post, algorithm, inplace)
@@ -791,9 +810,10 @@ def describe(key: tuple[Any, ...]) -> str:
     return " ".join(words)
 
 
-def _blueprint(request: Request) -> Blueprint | None:
+def _blueprint(request: Request, serves: frozenset[str]) -> Blueprint | None:
     """What a rank in ``join()`` needs to stand in for ``request`` (``None`` for a
-    refused submission: nothing runs)."""
+    refused submission: nothing runs), given the kinds ranks in ``join()`` take part in
+    (``serves``)."""
     spec = request.spec
     if spec.kind == REFUSED:
         return None
@@ -803,7 +823,8 @@ def _blueprint(request: Request) -> Blueprint | None:
     else:
         arrays = [(spec.dtype, tuple(request.array.shape))]
     return (spec.kind, spec.op.value, spec.prescale, spec.postscale, spec.algorithm,
-            spec.root, spec.inplace, spec.grouped, spec.backend.name, arrays)
+            spec.root, spec.inplace, spec.grouped, spec.backend.name, arrays,
+            spec.kind in serves)
 
 
 def identity(op: ReduceOp, dtype: Any, prescale: float = 1.0) -> Any:

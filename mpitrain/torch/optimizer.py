@@ -165,13 +165,7 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                  process_set: ProcessSet = global_process_set) -> None:
         self.optimizer = optimizer
         self._process_set = process_set
-        comm = communicator(process_set)
-        self._options = dict(compression=compression,
-                             backward_passes_per_step=backward_passes_per_step, op=op,
-                             gradient_predivide_factor=gradient_predivide_factor,
-                             groups=groups)
-        self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
-        self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
+        # the names are checked first: a bad list is an error before (and without) init
         if named_parameters is not None:
             named = list(named_parameters)
             if any(not isinstance(p, tuple) or len(p) != 2 for p in named):
@@ -180,6 +174,14 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
             self._named: list[tuple[str, torch.Tensor]] | None = named
         else:
             self._named = None
+        self._names()
+        comm = communicator(process_set)
+        self._options = dict(compression=compression,
+                             backward_passes_per_step=backward_passes_per_step, op=op,
+                             gradient_predivide_factor=gradient_predivide_factor,
+                             groups=groups)
+        self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
+        self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
         self._hooked: set[int] = set()
         self._build()
 
@@ -189,25 +191,37 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         old one are dropped."""
         self._build()
 
+    def _names(self) -> dict[int, str]:
+        """The allreduce name of each optimized parameter (by ``id``): its name in
+        ``named_parameters``, else ``allreduce.noname.<group>.<index>``.
+
+        Raises:
+            ArgumentError: a name or a parameter appears twice in ``named_parameters``,
+                or an optimized parameter is not in it.
+        """
+        groups = self.optimizer.param_groups
+        if self._named is None:
+            return {id(p): f"allreduce.noname.{i}.{j}"
+                    for i, group in enumerate(groups) for j, p in enumerate(group["params"])}
+        names: dict[int, str] = {}
+        seen: set[str] = set()
+        for name, p in self._named:
+            if id(p) in names or name in seen:
+                raise ArgumentError(f"Parameter names in named_parameters must be unique; "
+                                    f"found a duplicate: {name}")
+            names[id(p)] = name
+            seen.add(name)
+        unnamed = sum(1 for group in groups for p in group["params"] if id(p) not in names)
+        if unnamed:
+            raise ArgumentError(f"named_parameters was specified, but {unnamed} optimized "
+                                "parameter(s) are not named; pass model.named_parameters() of "
+                                "the whole model")
+        return names
+
     def _build(self) -> None:
         """(Re)build the reducer over the optimizer's parameters and hook new ones."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self._named is None:
-            names = {id(p): f"allreduce.noname.{i}.{j}"
-                     for i, group in enumerate(self.optimizer.param_groups)
-                     for j, p in enumerate(group["params"])}
-        else:
-            names = {}
-            for name, p in self._named:
-                if id(p) in names or name in names.values():
-                    raise ArgumentError(f"Parameter names in named_parameters must be unique; "
-                                        f"found a duplicate: {name}")
-                names[id(p)] = name
-            unnamed = [p for p in params if id(p) not in names]
-            if unnamed:
-                raise ArgumentError(f"named_parameters was specified, but {len(unnamed)} "
-                                    "optimized parameter(s) are not named; pass "
-                                    "model.named_parameters() of the whole model")
+        names = self._names()
         updated = [(names[id(p)], p) for p in params if p.requires_grad]
         comm = communicator(self._process_set)  # the global set's changes in a reset
         if isinstance(self._bridge, DeltaBridge):

@@ -104,6 +104,11 @@ class _Registered:
     control: MPI.Intracomm | None = None  # a duplicate for the adapter's own exchanges
 
 
+JOIN_SERVES = frozenset({"allreduce"})
+"""What ranks in ``hvd.join()`` take part in, as in Horovod: allreduces (grouped ones
+too). An allgather, broadcast or reducescatter submitted while a rank is in ``join()``
+fails on the ranks that submitted it."""
+
 _registry: dict[int, _Registered] = {}
 _last_id = 0
 _outside: tuple[int, ...] | None = None  # init(comm=[...]) on a rank not in the list
@@ -124,7 +129,10 @@ def global_communicator() -> Communicator:
         raise ArgumentError(f"{_here()} is not in hvd.init(comm={list(_outside)}), so it takes "
                             "no part in Horovod's collectives; call them only on those ranks, "
                             "or include this rank in init(comm=...)")
-    return session.default_communicator()
+    comm = session.default_communicator()
+    if comm.join_serves is not JOIN_SERVES:  # set again after an elastic reset
+        comm.join_serves = JOIN_SERVES
+    return comm
 
 
 def communicator(process_set: ProcessSet | None) -> Communicator:
@@ -281,6 +289,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     split = world.mpi_comm.Split(0 if member else MPI.UNDEFINED, world.rank)
     try:
         comm = Communicator(split) if member else None  # type: ignore[arg-type]
+        if comm is not None:
+            comm.join_serves = JOIN_SERVES
     finally:
         if split != MPI.COMM_NULL:
             split.Free()

@@ -261,3 +261,34 @@ def test_submitting_during_join_is_refused(comm: mt.Communicator) -> None:
         t.join(30)
     ok = comm.rank != 0 or (len(errors) == 1 and "join()" in errors[0])
     assert_all_ranks(comm, ok, f"{errors}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_serves_limits_what_joined_ranks_take_part_in(comm: mt.Communicator) -> None:
+    """With ``join_serves`` narrowed to allreduces, an allgather submitted while rank 0 is
+    in join() fails on the submitting ranks with an error naming join and rank 0, while
+    an allreduce runs; the default (every kind) comes back afterwards."""
+    default = comm.join_serves
+    with pytest.raises(ValueError, match="unknown kinds \\['gather'\\]"):
+        comm.join_serves = {"allreduce", "gather"}
+    assert comm.join_serves == default  # unchanged
+    comm.join_serves = {"allreduce"}
+    try:
+        if comm.rank == 0:
+            comm.join()
+            outcome = "joined"
+        else:
+            rows = comm.allgather_async(np.ones((1, 2)), name="serves.gather")
+            summed = comm.allreduce_async(np.ones(3), name="serves.sum").wait()
+            try:
+                rows.wait()
+                outcome = "no error"
+            except mt.CommunicationError as exc:
+                outcome = "error" if "join()" in str(exc) and "[0]" in str(exc) else str(exc)
+            if mismatch(summed, np.full(3, comm.size - 1.0)):
+                outcome = mismatch(summed, np.full(3, comm.size - 1.0))
+            comm.join()
+    finally:
+        comm.join_serves = default
+    assert_all_ranks(comm, outcome in ("joined", "error"), outcome)
+    assert default == {"allreduce", "reduce_scatter", "allgather", "broadcast"}

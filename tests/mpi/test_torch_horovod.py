@@ -267,8 +267,8 @@ def test_uneven_training_steps() -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_uneven_ops_and_join_twice() -> None:
-    """Allreduce (Sum, Average, Max), allgather and grouped allreduce with uneven
-    participation through mpitrain.torch; join twice in a row."""
+    """Allreduce (Sum, Average, Max) and grouped allreduce with uneven participation
+    through mpitrain.torch; join twice in a row."""
     me, n = hvd.rank(), hvd.size()
     results = []
     for step in range(me + 1):
@@ -276,19 +276,48 @@ def test_uneven_ops_and_join_twice() -> None:
         results.append((hvd.allreduce(t, op=hvd.Sum, name=f"s{step}"),
                         hvd.allreduce(t, op=hvd.Average, name=f"a{step}"),
                         hvd.allreduce(t, op=hvd.Max, name=f"m{step}"),
-                        hvd.allgather(torch.full((me + 1, 2), me), name=f"g{step}"),
                         hvd.grouped_allreduce([t, t.int()], op=hvd.Sum, name=f"gr{step}")))
     hvd.join()
     again = hvd.join()
     wrong = []
-    for step, (s, a, m, g, (gf, gi)) in enumerate(results):
-        ranks = range(step, n)
-        total = float(sum(r + 1 for r in ranks))
-        want_g = torch.cat([torch.full((r + 1, 2), r) for r in ranks])
+    for step, (s, a, m, (gf, gi)) in enumerate(results):
+        total = float(sum(r + 1 for r in range(step, n)))
         if not (torch.equal(s, torch.full((3,), total)) and
                 torch.allclose(a, torch.full((3,), total / n)) and
-                torch.equal(m, torch.full((3,), float(n))) and torch.equal(g, want_g) and
+                torch.equal(m, torch.full((3,), float(n))) and
                 torch.equal(gf, s) and torch.equal(gi, s.int())):
-            wrong.append(f"step {step}: {s} {a} {m} {g.tolist()} {gf} {gi}")
+            wrong.append(f"step {step}: {s} {a} {m} {gf} {gi}")
     check(not wrong, "; ".join(wrong))
     check(again in range(n), f"second join returned {again}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_only_allreduces_run_while_a_rank_is_joined() -> None:
+    """As in Horovod, ranks in join() take part in allreduces only: an allgather, a
+    broadcast (from a rank that has not joined) or a reducescatter submitted while rank 0
+    is in join() raises RuntimeError on the ranks that submitted it, an allreduce still
+    runs, and join() then returns on every rank."""
+    me, n = hvd.rank(), hvd.size()
+    outcomes: list[str] = []
+    if me == 0:
+        last = hvd.join()
+    else:
+        calls = {"allgather": lambda: hvd.allgather(torch.ones(2, 3), name="g"),
+                 "broadcast": lambda: hvd.broadcast(torch.ones(4), root_rank=n - 1, name="b"),
+                 "reducescatter": lambda: hvd.reducescatter(torch.ones(2 * n), name="r")}
+        for what, call in calls.items():
+            try:
+                call()
+                outcomes.append(f"{what}: no error")
+            except RuntimeError as exc:
+                if "join()" not in str(exc) or "[0]" not in str(exc):
+                    outcomes.append(f"{what}: {exc}")
+        summed = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="still.served")
+        if not torch.equal(summed, torch.full((3,), float(n - 1))):
+            outcomes.append(f"allreduce while joined: {summed}")
+        last = hvd.join()
+    check(not outcomes, "; ".join(outcomes))
+    check(last in range(1, n), f"join() returned {last}")
+    after = hvd.allgather(torch.full((1, 2), float(me)), name="after.join")
+    check(torch.equal(after, torch.arange(n, dtype=torch.float32).repeat_interleave(2)
+                      .reshape(n, 2)), f"allgather after join: {after}")

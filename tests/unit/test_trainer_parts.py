@@ -153,3 +153,23 @@ def test_torch_tensor_views_share_memory() -> None:
         as_buffer(torch.ones(2, dtype=torch.bool))
     with pytest.raises(TypeError, match="sparse"):
         as_buffer(torch.ones(2).to_sparse())
+
+
+def test_distributed_optimizer_checks_names_before_init() -> None:
+    """Duplicate or missing parameter names are a ValueError at construction, before
+    (and without) hvd.init(), as in Horovod."""
+    torch = pytest.importorskip("torch")
+    import mpitrain.torch as hvd
+    from mpitrain import session
+
+    assert not hvd.is_initialized()
+    a, b = torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="duplicate: weight"):
+        hvd.DistributedOptimizer(opt, named_parameters=[*a.named_parameters(),
+                                                        *b.named_parameters()])
+    with pytest.raises(ValueError, match="2 optimized parameter"):
+        hvd.DistributedOptimizer(opt, named_parameters=a.named_parameters())
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hvd.DistributedOptimizer(opt, named_parameters=[a.weight])
+    assert not session.is_initialized()
