@@ -16,10 +16,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def comm() -> Iterator[object]:
     """The default mpitrain communicator over every rank of the job (a test may shut it
-    down: the next one gets a new one)."""
+    down: the next one gets a new one), with mpitrain's own join() rule (an earlier
+    ``mpitrain.torch`` test may have set Horovod's on it)."""
     import mpitrain as mt
+    from mpitrain.engine import JOIN_SERVES_ALL
 
-    yield mt.init()
+    comm = mt.init()
+    comm.join_serves = JOIN_SERVES_ALL  # mpitrain.torch narrows it to Horovod's rule
+    yield comm
 
 
 @pytest.fixture

@@ -300,6 +300,12 @@ class Engine:
             if self._idle:
                 self._wake()
 
+    def refuse(self, kind: str, name: Any, exc: Exception) -> None:
+        """Announce, as :meth:`_refused` does, that a caller above the engine (a framework
+        adapter's own argument checks) refused this rank's next ``kind`` submission
+        (named ``name``; ``None`` takes the next unnamed one) with ``exc``."""
+        self._refused(kind, name, exc)
+
     def _array(self, x: Any, what: str, inplace: bool) -> tuple[ArrayBackend, Any]:
         """The backend of ``x`` and ``x`` as its array (one that writes through to ``x``
         for in-place calls)."""

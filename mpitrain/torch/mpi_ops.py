@@ -14,11 +14,12 @@ Async calls return an integer handle, as in Horovod: :func:`poll` tests it,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from ..ops import ReduceOp, parse_op
 from ..trainer.compression import Compression
 from . import process_sets as _sets
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .sparse import start_sparse_allreduce
+from .sparse import prepare_sparse_allreduce, sparse_part_names, start_sparse_allreduce
 from .tensors import as_buffer, from_buffer
 
 Average = ReduceOp.AVERAGE
@@ -44,6 +45,8 @@ Adasum = ReduceOp.ADASUM
 HorovodInternalError = CommunicationError
 """What Horovod raises when a collective fails across ranks: mpitrain's
 :class:`~mpitrain.CommunicationError` (mismatches, stalls), a ``RuntimeError``."""
+
+_T = TypeVar("_T")
 
 # -- initialisation and identity ----------------------------------------------------
 @dataclass
@@ -299,6 +302,75 @@ def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
     return parse_op(op)
 
 
+# -- local errors end the collective on every rank ---------------------------------
+# A collective's arguments are turned into what the engine takes (op, scaling, zero-copy
+# views) on each rank alone, so a bad argument on one rank raises there before that
+# rank's submission exists, and the other ranks would wait for it (forever, by default).
+# Every operation therefore prepares its submissions inside ``_refusing``, which
+# announces an error raised there to the other ranks through the engine, in place of
+# the submissions it prevented (same kind, same name; unnamed ones take the next number
+# of their kind, so later unnamed operations stay matched). The engine's own refusals
+# (raised by the submission call itself) it announces itself: the submission call is
+# never inside the block. The adapter's blocking exchanges (alltoall, broadcast_object)
+# share each rank's outcome in an exchange they make anyway, or one small allgather
+# (``_agreed``). Not announced: errors about the process set itself (not an
+# ``hvd.ProcessSet``, not registered, or without this rank): such a rank does not know
+# which ranks, and so which engine and which counter, the collective belongs to, and
+# the members of the set are not waiting for a rank outside it.
+@contextlib.contextmanager
+def _refusing(comm: Communicator, kind: str, *names: str | None) -> Iterator[None]:
+    """Prepare this rank's ``kind`` submissions named ``names`` (``None``: unnamed) on
+    ``comm`` in the block; if it raises, announce every one of them as refused (the
+    other ranks' submissions fail with ``MismatchError`` naming this rank and the
+    error) and re-raise."""
+    try:
+        yield
+    except Exception as exc:
+        engine = comm.engine()
+        for name in names:
+            engine.refuse(kind, name, exc)
+        raise
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """What a rank sends in an ``_agreed`` exchange in place of its part: its error."""
+
+    rank: int
+    error: str
+
+
+def _agreed(exchange: Callable[[Any], list[Any]], what: str,
+            prepare: Callable[[], tuple[_T, Any]]) -> tuple[_T, list[Any]]:
+    """Run ``prepare`` (this rank's checks; it returns a value and the part the other
+    ranks see) and ``exchange`` (an allgather) the parts, or this rank's error in place
+    of its part, so that an error on any rank ends the collective ``what`` on every rank.
+
+    Returns:
+        ``prepare``'s value and every rank's part, in rank order.
+
+    Raises:
+        the error ``prepare`` raised, on its rank; ``MismatchError`` naming that rank and
+        its error on the others.
+    """
+    failure: Exception | None = None
+    try:
+        value, part = prepare()
+    except Exception as exc:
+        failure, part = exc, _Refused(rank(), f"{type(exc).__name__}: {exc}")
+    parts = exchange(part)
+    if failure is not None:
+        raise failure
+    refused = [p for p in parts if isinstance(p, _Refused)]
+    if refused:
+        raise MismatchError(f"rank {rank()}: {what} is given up on every rank: "
+                            + "; ".join(f"it was refused on rank {p.rank}: {p.error}"
+                                        for p in refused)
+                            + ". Fix that rank's arguments; the other ranks cannot go on "
+                            "without it")
+    return value, parts
+
+
 # -- allreduce ------------------------------------------------------------------------
 def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """Multiply ``tensor`` in place and return it, as Horovod scales on the CPU:
@@ -343,6 +415,11 @@ def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
     before the reduction; postscale, and Average's ``1/size``, after it) as
     :func:`_scale_` does (Average over ``ranks`` ranks); the engine then only reduces.
     Otherwise the engine scales."""
+    try:  # the engine's rule (anything float() takes), checked here: the adapter may scale
+        prescale, postscale = float(prescale), float(postscale)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"rank {rank()}: prescale_factor and postscale_factor must be "
+                            f"numbers, got {prescale!r} and {postscale!r}") from None
     if all(_engine_scales(t) for t in tensors) or \
             (op is not Average and prescale == 1.0 and postscale == 1.0):
         return _Scaling(op, prescale, postscale)
@@ -351,14 +428,17 @@ def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
 
 
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
-                     op: ReduceOp, prescale: float, postscale: float,
-                     process_set: ProcessSet | None) -> int:
+                     op: Any, prescale: float, postscale: float,
+                     process_set: ProcessSet | None, average: bool | None = None) -> int:
+    """Submit an allreduce of ``tensor`` (in place when ``output`` is given); ``op`` and
+    ``average`` are parsed here, with the other arguments, under :func:`_refusing`."""
     comm = _comm(process_set)
-    how = _scaling([tensor], op, prescale, postscale, comm.size)
+    with _refusing(comm, "allreduce", name):
+        how = _scaling([tensor], _reduce_op(op, average), prescale, postscale, comm.size)
+        work = how.source(tensor, inplace=output is not None)
+        buffer = as_buffer(work)
     if output is not None:  # in place
-        work = how.source(tensor, inplace=True)
-        handle = comm.allreduce_async_(as_buffer(work), how.op, name, how.prescale,
-                                          how.postscale)
+        handle = comm.allreduce_async_(buffer, how.op, name, how.prescale, how.postscale)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -366,9 +446,7 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                 tensor.copy_(work)
             return _scale_(tensor, how.after)
         return _register([handle], finish)
-    source = how.source(tensor, inplace=False)
-    handle = comm.allreduce_async(as_buffer(source), how.op, name, how.prescale,
-                                     how.postscale)
+    handle = comm.allreduce_async(buffer, how.op, name, how.prescale, how.postscale)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
@@ -377,8 +455,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for :func:`synchronize`."""
-    return _allreduce_async(tensor, None, name, _reduce_op(op, average), prescale_factor,
-                            postscale_factor, process_set)
+    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
+                            process_set, average)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -386,8 +464,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle."""
-    return _allreduce_async(tensor, tensor, name, _reduce_op(op, average), prescale_factor,
-                            postscale_factor, process_set)
+    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor,
+                            process_set, average)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -446,27 +524,31 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         process_set: the ranks that reduce together (default: every rank); only its
             members may call (elsewhere it raises at once).
     """
-    rop = _reduce_op(op, average)
-    compressed, ctx = compression.compress(tensor)
+    with _refusing(_comm(process_set), "allreduce", name):
+        rop = _reduce_op(op, average)
+        compressed, ctx = compression.compress(tensor)
     summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor,
                               process_set)
     return compression.decompress(summed, ctx)
 
 
 def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
-                   op: ReduceOp, prescale: float, postscale: float,
-                   process_set: ProcessSet | None) -> int:
-    tensors = list(tensors)
+                   op: Any, prescale: float, postscale: float,
+                   process_set: ProcessSet | None, average: bool | None = None) -> int:
+    """Submit one fused allreduce of ``tensors`` (``op``/``average`` parsed here)."""
     comm = _comm(process_set)
-    how = _scaling(tensors, op, prescale, postscale, comm.size)
-    work = [how.source(t, inplace) for t in tensors]
+    with _refusing(comm, "grouped_allreduce", name):
+        tensors = list(tensors)
+        how = _scaling(tensors, _reduce_op(op, average), prescale, postscale, comm.size)
+        work = [how.source(t, inplace) for t in tensors]
+        buffers = [as_buffer(w) for w in work]
     if not inplace:
-        handle = comm.grouped_allreduce_async([as_buffer(w) for w in work], how.op, name,
-                                                 how.prescale, how.postscale)
+        handle = comm.grouped_allreduce_async(buffers, how.op, name, how.prescale,
+                                              how.postscale)
         return _register([handle], lambda: [_scale_(from_buffer(r), how.after)
                                             for r in handle.wait()])
-    handle = comm.grouped_allreduce_async_([as_buffer(w) for w in work], how.op, name,
-                                              how.prescale, how.postscale)
+    handle = comm.grouped_allreduce_async_(buffers, how.op, name, how.prescale,
+                                           how.postscale)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
@@ -483,8 +565,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start one fused allreduce of every tensor into new tensors; returns a handle."""
-    return _grouped_async(tensors, False, name, _reduce_op(op, average), prescale_factor,
-                          postscale_factor, process_set)
+    return _grouped_async(tensors, False, name, op, prescale_factor, postscale_factor,
+                          process_set, average)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -493,8 +575,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start one fused in-place allreduce of every tensor; returns a handle."""
-    return _grouped_async(tensors, True, name, _reduce_op(op, average), prescale_factor,
-                          postscale_factor, process_set)
+    return _grouped_async(tensors, True, name, op, prescale_factor, postscale_factor,
+                          process_set, average)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -531,10 +613,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor in one fused operation into new tensors (differentiable)."""
-    rop = _reduce_op(op, average)
-    packed = [compression.compress(t) for t in tensors]
+    with _refusing(_comm(process_set), "grouped_allreduce", name):
+        rop = _reduce_op(op, average)
+        packed = [compression.compress(t) for t in tensors]
     if not packed:
-        _comm(process_set)  # a rank outside the set raises here too
         return []
     reduced = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
                                       process_set, *[c for c, _ in packed])
@@ -552,7 +634,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
     and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
     """
-    handles, finish = start_sparse_allreduce(_comm(process_set), tensor, name, op)
+    comm = _comm(process_set)
+    with _refusing(comm, "allgather", *sparse_part_names(name)):
+        prepared = prepare_sparse_allreduce(tensor, op, comm.rank)
+    handles, finish = start_sparse_allreduce(comm, prepared, name)
     return _register(handles, finish)
 
 
@@ -560,7 +645,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather (concatenation along dim 0); returns a handle."""
-    handle = _comm(process_set).allgather_async(as_buffer(tensor), name)
+    comm = _comm(process_set)
+    with _refusing(comm, "allgather", name):
+        buffer = as_buffer(tensor)
+    handle = comm.allgather_async(buffer, name)
     return _register([handle], lambda: from_buffer(handle.wait()))
 
 
@@ -597,12 +685,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
                      inplace: bool, process_set: ProcessSet | None) -> int:
     comm = _comm(process_set)
-    root = _sets.set_rank(process_set, root_rank, "broadcast")
+    with _refusing(comm, "broadcast", name):
+        root = _sets.set_rank(process_set, root_rank, "broadcast")
+        work = tensor if not inplace or tensor.is_contiguous() else tensor.contiguous()
+        buffer = as_buffer(work)
     if not inplace:
-        handle = comm.broadcast_async(as_buffer(tensor), root, name)
+        handle = comm.broadcast_async(buffer, root, name)
         return _register([handle], lambda: from_buffer(handle.wait()))
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    handle = comm.broadcast_async_(as_buffer(work), root, name)
+    handle = comm.broadcast_async_(buffer, root, name)
 
     def finish() -> torch.Tensor:
         handle.wait()
@@ -674,9 +764,23 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     toward zero, as Horovod does.
     """
     comm = _comm(process_set)
-    how = _scaling([tensor], parse_op(op), prescale_factor, postscale_factor, comm.size)
-    handle = comm.reduce_scatter_async(as_buffer(how.source(tensor, inplace=False)),
-                                       how.op, name, how.prescale, how.postscale)
+    with _refusing(comm, "reduce_scatter", name):
+        buffer, how = _reducescatter_source(comm, tensor, op, prescale_factor,
+                                            postscale_factor)
+    return _submit_reducescatter(comm, buffer, how, name)
+
+
+def _reducescatter_source(comm: Communicator, tensor: torch.Tensor, op: Any,
+                          prescale: float, postscale: float) -> tuple[Any, _Scaling]:
+    """The buffer a reduce-scatter of ``tensor`` submits, and who scales it."""
+    how = _scaling([tensor], parse_op(op), prescale, postscale, comm.size)
+    return as_buffer(how.source(tensor, inplace=False)), how
+
+
+def _submit_reducescatter(comm: Communicator, buffer: Any, how: _Scaling,
+                          name: str | None) -> int:
+    """Submit the reduce-scatter of a prepared ``buffer``; returns its handle."""
+    handle = comm.reduce_scatter_async(buffer, how.op, name, how.prescale, how.postscale)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
@@ -709,9 +813,11 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     ``d // size`` (Horovod's split; ``size`` and the order are those of
     ``process_set``'s ranks). ``op`` defaults to Average, as in Horovod.
     """
-    compressed, ctx = compression.compress(tensor)
-    block = _Reducescatter.apply(compressed, name, parse_op(op), prescale_factor,
-                                 postscale_factor, process_set)
+    with _refusing(_comm(process_set), "reduce_scatter", name):
+        compressed, ctx = compression.compress(tensor)
+        rop = parse_op(op)
+    block = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor,
+                                 process_set)
     return compression.decompress(block, ctx)
 
 
@@ -735,9 +841,13 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     The allgathers are submitted together (the engine runs them back to back); with
     ``name``, the i-th is named ``f"{name}.{i}"``.
     """
-    _comm(process_set)  # a rank outside the set raises, also for no tensors
-    return _group_handle([allgather_async(t, _member(name, i), process_set)
-                          for i, t in enumerate(tensors)])
+    comm = _comm(process_set)  # a rank outside the set raises, also for no tensors
+    tensors = list(tensors)
+    names = [_member(name, i) for i in range(len(tensors))]
+    with _refusing(comm, "allgather", *names):  # no member is submitted unless all can be
+        buffers = [as_buffer(t) for t in tensors]
+    handles = [comm.allgather_async(b, n) for b, n in zip(buffers, names)]
+    return _register(handles, lambda: [from_buffer(h.wait()) for h in handles])
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -754,10 +864,14 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set) -> int:
     """Start a reduce-scatter of every tensor; the handle's output is the list of this
     rank's blocks (see :func:`reducescatter` for the split and the integer scaling)."""
-    _comm(process_set)
-    return _group_handle([reducescatter_async(t, _member(name, i), op, prescale_factor,
-                                              postscale_factor, process_set)
-                          for i, t in enumerate(tensors)])
+    comm = _comm(process_set)
+    tensors = list(tensors)
+    names = [_member(name, i) for i in range(len(tensors))]
+    with _refusing(comm, "reduce_scatter", *names):  # all members or none
+        sources = [_reducescatter_source(comm, t, op, prescale_factor, postscale_factor)
+                   for t in tensors]
+    return _group_handle([_submit_reducescatter(comm, buffer, how, n)
+                          for (buffer, how), n in zip(sources, names)])
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -793,9 +907,16 @@ def _check_splits(tensor: torch.Tensor, splits: Any, n: int) -> np.ndarray[Any, 
 def _alltoall(tensor: torch.Tensor, splits: Any,
               process_set: ProcessSet | None) -> tuple[torch.Tensor, torch.Tensor]:
     ctrl = _control(process_set)
-    send_counts = _check_splits(tensor, splits, ctrl.Get_size())
+
+    def prepare() -> tuple[tuple[np.ndarray[Any, Any], Any], tuple[str, tuple[int, ...]]]:
+        counts = _check_splits(tensor, splits, ctrl.Get_size())
+        source = tensor.detach().cpu().contiguous()  # the CPU tensor itself when it is one
+        send = as_buffer(source).reshape(-1).view(np.uint8)
+        return (counts, send), (str(tensor.dtype), tuple(tensor.shape[1:]))
+
+    # the exchange of dtypes and trailing shapes carries a rank's error in their place
+    (send_counts, send), kinds = _agreed(ctrl.allgather, "alltoall", prepare)
     trailing = tuple(tensor.shape[1:])
-    kinds = ctrl.allgather((str(tensor.dtype), trailing))
     if any(k != kinds[0] for k in kinds):
         bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
         first = _sets.global_rank(process_set, 0)
@@ -804,21 +925,18 @@ def _alltoall(tensor: torch.Tensor, splits: Any,
                             f"sent {kinds[bad]} and rank {first} sent {kinds[0]}")
     recv_counts = np.empty_like(send_counts)
     ctrl.Alltoall(send_counts, recv_counts)
-    device = tensor.device
-    source = tensor.detach().cpu().contiguous()  # the CPU tensor itself when it is one
     output = torch.empty((int(recv_counts.sum()), *trailing), dtype=tensor.dtype)
     row_bytes = int(np.prod(trailing, dtype=np.int64)) * tensor.element_size()
     if row_bytes:
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
             ctrl.Alltoallv(
-                [as_buffer(source).reshape(-1).view(np.uint8),
-                 (send_counts, np.cumsum(send_counts) - send_counts), row],
+                [send, (send_counts, np.cumsum(send_counts) - send_counts), row],
                 [as_buffer(output).reshape(-1).view(np.uint8),
                  (recv_counts, np.cumsum(recv_counts) - recv_counts), row])
         finally:
             row.Free()
-    return output.to(device), torch.from_numpy(recv_counts.astype(np.int32))
+    return output.to(tensor.device), torch.from_numpy(recv_counts.astype(np.int32))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -872,7 +990,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 # -- synchronisation and objects ------------------------------------------------------
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank (of ``process_set``) has called :func:`barrier`."""
-    _comm(process_set).barrier()
+    _comm(process_set).barrier()  # no argument but the set (see _refusing)
 
 
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
@@ -885,20 +1003,35 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     to allgathers; a broadcast from a joined root fails with ``HorovodInternalError``.
     ``device`` is accepted for Horovod compatibility.
     """
+    # ``device`` is not used: the set is the only argument that can be wrong (see
+    # _refusing)
     return _sets.global_rank(process_set, _comm(process_set).join())
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return the root's ``obj`` (any picklable object) on every rank; ``root_rank`` is
-    a global rank, a member of ``process_set``."""
-    return _comm(process_set).broadcast_object(
-        obj, _sets.set_rank(process_set, root_rank, "broadcast_object"))
+    a global rank, a member of ``process_set``.
+
+    A ``root_rank`` that is not a member on one rank raises there and a
+    ``MismatchError`` on the others (one small allgather first agrees on that).
+    """
+    comm = _comm(process_set)
+
+    def prepare() -> tuple[int, None]:
+        root = _sets.set_rank(process_set, root_rank, "broadcast_object")
+        comm.dispatcher.check_root(root)
+        return root, None
+
+    root, _ = _agreed(comm.allgather_object, "broadcast_object", prepare)
+    return comm.broadcast_object(obj, root)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Return every rank's ``obj`` in rank order (of ``process_set``'s ranks)."""
+    # an object that does not pickle fails on every rank inside the exchange; the set
+    # is the only other argument (see _refusing)
     return _comm(process_set).allgather_object(obj)
 
 

@@ -31,7 +31,7 @@ from ..trainer.compression import Compression
 from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
 from .checkpoint import TENSORS
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
-from .sparse import start_sparse_allreduce
+from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
 from .tensors import as_buffer
 
 
@@ -79,8 +79,9 @@ class TensorReducer(GradientReducer[torch.Tensor]):
         if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
             raise ArgumentError(f"sparse gradients support op=Sum/Average, not {self.op!r}; "
                                 "pass sparse_as_dense=True for other ops")
-        handles, finish = start_sparse_allreduce(self.comm, grads[0],
-                                                 f"grad.{self._names[id(group[0])]}", self.op)
+        prepared = prepare_sparse_allreduce(grads[0], self.op, self.comm.rank)
+        handles, finish = start_sparse_allreduce(self.comm, prepared,
+                                                 f"grad.{self._names[id(group[0])]}")
         return Submitted(list(group), [None], handles, lambda: [finish()])
 
 

@@ -12,6 +12,7 @@ by the rank count (integers truncated toward zero, as Horovod scales them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,39 +41,65 @@ def _sparse_input(tensor: Any, op: Any, where: int) -> tuple[torch.Tensor, Reduc
     return tensor.coalesce(), rop
 
 
-def _part(name: str | None, part: str) -> str | None:
-    return None if name is None else f"{name}.{part}"
+def sparse_part_names(name: str | None) -> tuple[str | None, str | None]:
+    """The names of a sparse allreduce's two allgathers: ``f"{name}.indices"`` and
+    ``f"{name}.values"`` (``None``: both unnamed)."""
+    if name is None:
+        return None, None
+    return f"{name}.indices", f"{name}.values"
 
 
-def start_sparse_allreduce(comm: Communicator, tensor: torch.Tensor, name: str | None,
-                           op: Any) -> tuple[list[Any], Callable[[], torch.Tensor]]:
-    """Submit the allgathers of a sparse allreduce of ``tensor`` on ``comm``.
+@dataclass(frozen=True)
+class SparseInput:
+    """A sparse allreduce's checked input: the two buffers to allgather and what the
+    result is built from."""
 
-    Args:
-        comm: the communicator (every rank must make the same call).
-        tensor: a sparse COO tensor; its shape must be the same on every rank.
-        name: names the two allgathers ``f"{name}.indices"`` and ``f"{name}.values"``
-            (``None``: unnamed, matched by order).
-        op: ``Sum`` or ``Average``.
+    rows: Any  # the header and the indices, one row per non-zero
+    values: Any
+    sizes: list[int]  # the sparse sizes
+    tensor: torch.Tensor  # coalesced
+    op: ReduceOp
 
-    Returns:
-        The engine handles, and a function that waits for them and returns the
-        coalesced sparse result.
+
+def prepare_sparse_allreduce(tensor: Any, op: Any, where: int) -> SparseInput:
+    """Check ``tensor`` (a sparse COO tensor) and ``op`` (``Sum`` or ``Average``) on rank
+    ``where`` and make the buffers of its two allgathers.
 
     Raises:
-        ArgumentError: ``tensor`` is not sparse COO, or ``op`` is not Sum/Average (at
-            once, on this rank); ranks' shapes disagree (on every rank, when waited for).
+        ArgumentError: ``tensor`` is not sparse COO, or ``op`` is not Sum/Average.
+        DtypeError: the indices or values cannot be sent (device, dtype).
     """
-    t, rop = _sparse_input(tensor, op, comm.rank)
+    t, rop = _sparse_input(tensor, op, where)
     sparse_dim, nnz = t.sparse_dim(), t.values().shape[0]
     sizes = list(t.shape[:sparse_dim])
     header = torch.zeros(_HEADER_ROWS, sparse_dim, dtype=torch.int64, device=t.device)
     header[0] = torch.tensor(sizes, dtype=torch.int64)
     header[1, 0] = nnz
     rows = torch.cat([header, t.indices().t().to(torch.int64)]).contiguous()
-    rows_handle = comm.allgather_async(as_buffer(rows), _part(name, "indices"))
-    values_handle = comm.allgather_async(as_buffer(t.values().contiguous()),
-                                         _part(name, "values"))
+    return SparseInput(as_buffer(rows), as_buffer(t.values().contiguous()), sizes, t, rop)
+
+
+def start_sparse_allreduce(comm: Communicator, prepared: SparseInput, name: str | None
+                           ) -> tuple[list[Any], Callable[[], torch.Tensor]]:
+    """Submit the allgathers of a sparse allreduce of a prepared input on ``comm``.
+
+    Args:
+        comm: the communicator (every rank must make the same call).
+        prepared: :func:`prepare_sparse_allreduce`'s result; the tensor's shape must be
+            the same on every rank.
+        name: names the two allgathers (:func:`sparse_part_names`).
+
+    Returns:
+        The engine handles, and a function that waits for them and returns the
+        coalesced sparse result.
+
+    Raises:
+        ArgumentError: ranks' shapes disagree (on every rank, when waited for).
+    """
+    t, rop, sizes = prepared.tensor, prepared.op, prepared.sizes
+    rows_name, values_name = sparse_part_names(name)
+    rows_handle = comm.allgather_async(prepared.rows, rows_name)
+    values_handle = comm.allgather_async(prepared.values, values_name)
 
     def finish() -> torch.Tensor:
         gathered = from_buffer(rows_handle.wait())
@@ -100,4 +127,5 @@ def start_sparse_allreduce(comm: Communicator, tensor: torch.Tensor, name: str |
     return [rows_handle, values_handle], finish
 
 
-__all__ = ["start_sparse_allreduce"]
+__all__ = ["SparseInput", "prepare_sparse_allreduce", "sparse_part_names",
+           "start_sparse_allreduce"]

@@ -381,6 +381,150 @@ def torch_meta_tensor_everywhere(ctx: Any, rank: int, size: int) -> Any:
     return ctx.hvd().allreduce(torch.empty(4, device="meta"), name="t.meta")
 
 
+def _on_last(bad: Any, good: Any, rank: int, size: int) -> Any:
+    return bad if last_differs(rank, size) else good
+
+
+def torch_unknown_op_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.allreduce(torch.ones(5), op=_on_last("median", hvd.Sum, rank, size))
+
+
+def torch_average_and_op_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    average = _on_last(True, None, rank, size)
+    return hvd.synchronize(hvd.allreduce_async(torch.ones(5), average=average, op=hvd.Sum,
+                                               name="t.avg"))
+
+
+def torch_bool_dtype_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.allreduce(torch.ones(5, dtype=_on_last(torch.bool, torch.float32, rank, size)))
+
+
+def torch_meta_tensor_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.allreduce_(torch.empty(5, device=_on_last("meta", "cpu", rank, size)).fill_(1))
+
+
+def torch_bad_prescale_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()  # an integer tensor: the adapter scales it itself
+    return hvd.allreduce(torch.ones(5, dtype=torch.int32), op=hvd.Sum, name="t.scale",
+                         prescale_factor=_on_last("two", 2, rank, size))
+
+
+def torch_broadcast_bad_root_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    return ctx.hvd().broadcast(torch.ones(5), root_rank=_on_last(size, 0, rank, size))
+
+
+def torch_grouped_bad_member_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    second = torch.empty(3, device=_on_last("meta", "cpu", rank, size)).fill_(1)
+    return hvd.grouped_allreduce([torch.ones(5), second])
+
+
+def torch_grouped_allgather_bad_member_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    second = torch.ones(3, dtype=_on_last(torch.bool, torch.int32, rank, size))
+    return hvd.synchronize(hvd.grouped_allgather_async(
+        [torch.ones(2), second, torch.ones(4)], name="t.gather"))
+
+
+def torch_grouped_reducescatter_bad_op_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.synchronize(hvd.grouped_reducescatter_async(
+        [torch.ones(size, 2), torch.ones(size)], op=_on_last("median", hvd.Sum, rank, size)))
+
+
+def torch_allgather_meta_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    return hvd.allgather(torch.empty(2, 3, device=_on_last("meta", "cpu", rank, size)))
+
+
+def torch_sparse_dense_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    sparse = torch.eye(4).to_sparse()
+    return hvd.synchronize(hvd.sparse_allreduce_async(
+        _on_last(sparse.to_dense(), sparse, rank, size), op=hvd.Sum))
+
+
+def torch_alltoall_bad_splits_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    splits = [1] * size
+    if last_differs(rank, size):
+        splits[0] = 2  # sums to size + 1 rows
+    return hvd.alltoall(torch.ones(size, 2), splits=splits)
+
+
+def torch_broadcast_object_bad_root_on_one_rank(ctx: Any, rank: int, size: int) -> Any:
+    return ctx.hvd().broadcast_object({"step": 1}, root_rank=_on_last(size, 0, rank, size))
+
+
+def refused_on_last(error: str, pattern: str) -> Callable[[int, int], tuple[str, str]]:
+    """``error`` on the last rank, which refused the call; MismatchError naming it on
+    the others."""
+    return lambda rank, size: ((error, pattern) if last_differs(rank, size) else
+                               ("MismatchError", f"refused on rank {size - 1}: {error}"))
+
+
+TORCH_REFUSALS = [
+    Case("torch_unknown_op_on_one_rank", torch_unknown_op_on_one_rank,
+         refused_on_last("ArgumentError", "unknown reduction op 'median'")),
+    Case("torch_average_and_op_on_one_rank", torch_average_and_op_on_one_rank,
+         refused_on_last("ArgumentError", "op parameter supersedes average")),
+    Case("torch_bool_dtype_on_one_rank", torch_bool_dtype_on_one_rank,
+         refused_on_last("DtypeError", r"dtype torch\.bool is not supported")),
+    Case("torch_meta_tensor_on_one_rank", torch_meta_tensor_on_one_rank,
+         refused_on_last("DtypeError", "meta tensors need an mpitrain GPU backend")),
+    Case("torch_bad_prescale_on_one_rank", torch_bad_prescale_on_one_rank,
+         refused_on_last("ArgumentError", "prescale_factor and postscale_factor must be "
+                         "numbers, got 'two'")),
+    Case("torch_broadcast_bad_root_on_one_rank", torch_broadcast_bad_root_on_one_rank,
+         refused_on_last("ArgumentError", r"root=\d+ is not a rank")),
+    Case("torch_grouped_bad_member_on_one_rank", torch_grouped_bad_member_on_one_rank,
+         refused_on_last("DtypeError", "meta tensors")),
+    Case("torch_grouped_allgather_bad_member_on_one_rank",
+         torch_grouped_allgather_bad_member_on_one_rank,
+         refused_on_last("DtypeError", r"dtype torch\.bool is not supported")),
+    Case("torch_grouped_reducescatter_bad_op_on_one_rank",
+         torch_grouped_reducescatter_bad_op_on_one_rank,
+         refused_on_last("ArgumentError", "unknown reduction op 'median'")),
+    Case("torch_allgather_meta_on_one_rank", torch_allgather_meta_on_one_rank,
+         refused_on_last("DtypeError", "meta tensors")),
+    Case("torch_sparse_dense_on_one_rank", torch_sparse_dense_on_one_rank,
+         refused_on_last("ArgumentError", "needs a sparse COO tensor")),
+    Case("torch_alltoall_bad_splits_on_one_rank", torch_alltoall_bad_splits_on_one_rank,
+         refused_on_last("ArgumentError", "splits must be")),
+    Case("torch_broadcast_object_bad_root_on_one_rank",
+         torch_broadcast_object_bad_root_on_one_rank,
+         refused_on_last("ArgumentError", r"root=\d+ is not a rank")),
+]
+"""Misuse on one rank that the torch adapter catches before the engine sees the call."""
+
 ONE_RANK_OUT = stalled_except(lambda r, s: r == 0, "ArgumentError", r"out= must be a",
                               r"rank 0 has not called it")
 
@@ -498,6 +642,7 @@ CASES = [
          everywhere("MismatchError", r"'t\.shape' with different arguments.*float32\[6\]")),
     Case("torch_meta_tensor_everywhere", torch_meta_tensor_everywhere,
          everywhere("DtypeError", "meta")),
+    *TORCH_REFUSALS,
 ]
 
 
@@ -546,8 +691,25 @@ class Context:
         y = comm.allreduce(np.ones(3))
         if case.name.startswith(("async", "torch")):  # the engine goes on too
             z = comm.allreduce_async(np.ones(3), name="next").wait()
-            return bool(np.array_equal(y, want) and np.array_equal(z, want))
+            if not (np.array_equal(y, want) and np.array_equal(z, want)):
+                return False
+        if case.name.startswith("torch"):  # unnamed ones too: the ranks' counts agree
+            return self.next_torch_ok()
         return bool(np.array_equal(y, want))
+
+    def next_torch_ok(self) -> bool:
+        """An unnamed allreduce, allgather and alltoall of ``mpitrain.torch`` give the
+        right answer (a refusal took its number of every kind on every rank)."""
+        import torch
+
+        hvd = self.hvd()
+        n = hvd.size()
+        summed = hvd.allreduce(torch.ones(3), op=hvd.Sum)
+        gathered = hvd.synchronize(hvd.allgather_async(torch.ones(1)))
+        swapped = hvd.alltoall(torch.ones(n))
+        return bool(torch.equal(summed, torch.full((3,), float(n)))
+                    and torch.equal(gathered, torch.ones(n))
+                    and torch.equal(swapped, torch.ones(n)))
 
 
 def main() -> None:
