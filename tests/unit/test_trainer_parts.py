@@ -155,14 +155,19 @@ def test_torch_tensor_views_share_memory() -> None:
         as_buffer(torch.ones(2).to_sparse())
 
 
-def test_distributed_optimizer_checks_names_before_init() -> None:
+def test_distributed_optimizer_checks_names_before_init(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Duplicate or missing parameter names are a ValueError at construction, before
-    (and without) hvd.init(), as in Horovod."""
+    the communicator is looked up (so also before, and without, hvd.init()), as in
+    Horovod."""
     torch = pytest.importorskip("torch")
     import mpitrain.torch as hvd
-    from mpitrain import session
+    from mpitrain.torch import optimizer as torch_optimizer
 
-    assert not hvd.is_initialized()
+    def no_communicator(process_set: object) -> None:
+        raise AssertionError("the communicator was looked up before the names were checked")
+
+    monkeypatch.setattr(torch_optimizer, "communicator", no_communicator)
     a, b = torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)
     opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
     with pytest.raises(ValueError, match="duplicate: weight"):
@@ -172,4 +177,3 @@ def test_distributed_optimizer_checks_names_before_init() -> None:
         hvd.DistributedOptimizer(opt, named_parameters=a.named_parameters())
     with pytest.raises(ValueError, match="sequence of tuples"):
         hvd.DistributedOptimizer(opt, named_parameters=[a.weight])
-    assert not session.is_initialized()
