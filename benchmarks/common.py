@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import re
 import shlex
 import socket
@@ -104,17 +105,28 @@ class OneRankParser(argparse.ArgumentParser):
 MIN_ITERS = 3
 
 
+def run_order(keys: Sequence[Key], rep: int) -> list[Key]:
+    """The order in which repetition ``rep`` runs ``keys``: a permutation drawn from
+    ``rep`` alone, so every rank runs the calls in the same order, and over the
+    repetitions each call follows each other one about equally often. (Rotating a fixed
+    order would put the same call right after the same neighbour in almost every
+    repetition, so a neighbour that leaves the machine busy, such as gloo's threads,
+    would slow one column only.)"""
+    order = list(keys)
+    random.Random(rep).shuffle(order)
+    return order
+
+
 def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
                barrier: Callable[[], None], budget: float = 0.0,
                slowest: Callable[[float], float] = float) -> dict[Key, list[float]]:
     """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
 
-    Each repetition runs every call once, the order rotated by one per repetition so
-    that no call always follows the same one. A reset and a barrier precede each
-    run; only the run is timed. With a ``budget`` (seconds), the repetitions are cut
-    to what the last warm-up round says fits in it (at least ``MIN_ITERS``);
-    ``slowest`` turns this rank's estimate into every rank's (the maximum over ranks),
-    so that every rank runs as many.
+    Each repetition runs every call once, in :func:`run_order`'s order. A reset and a
+    barrier precede each run; only the run is timed. With a ``budget`` (seconds), the
+    repetitions are cut to what the last warm-up round says fits in it (at least
+    ``MIN_ITERS``); ``slowest`` turns this rank's estimate into every rank's (the
+    maximum over ranks), so that every rank runs as many.
 
     Returns:
         This rank's seconds per run of each call.
@@ -133,8 +145,7 @@ def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
         iters = min(iters, max(MIN_ITERS, int(budget / per_round) if per_round else iters))
     times: dict[Key, list[float]] = {key: [] for key in keys}
     for rep in range(iters):
-        shift = rep % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+        for key in run_order(keys, rep):
             call = calls[key]
             call.reset()
             barrier()

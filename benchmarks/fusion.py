@@ -5,7 +5,7 @@
 For each tensor size ``s`` from ``-b`` to ``-e`` and ``t`` tensors (``--tensors``),
 three calls on the same crafted values are timed, out of place and (unless
 ``--no-inplace``) in place, all six interleaved in one run
-(:func:`benchmarks.common.time_calls`: barrier before each run, order rotating):
+(:func:`benchmarks.common.time_calls`: barrier before each run, order shuffled per repetition):
 
 * ``fused``: ``t`` ``allreduce_async`` (``allreduce_async_``) calls of ``s`` bytes
   each, submitted back to back and then waited together, so that the engine packs

@@ -7,11 +7,11 @@ variant (out-of-place, in-place). Then, per size:
 
 * *warm-up*: every call runs ``-w`` times;
 * *timing*: ``-n`` repetitions, each running every call once, interleaved (A B A B,
-  the order rotating by one per repetition); a barrier precedes every run and only
-  the run is timed, with ``time.perf_counter``. Each rank takes the median (and the
-  min and max) of its own times; the time reported is the **maximum over ranks of
-  each rank's median** (min and max likewise), so a size is as slow as its slowest
-  rank;
+  in an order drawn anew for each repetition, the same on every rank); a barrier
+  precedes every run and only the run is timed, with ``time.perf_counter``. Each rank
+  takes the median (and the min and max) of its own times; the time reported is the
+  **maximum over ranks of each rank's median** (min and max likewise), so a size is as
+  slow as its slowest rank;
 * *verify*: every call runs once more from its crafted input and its result is
   compared exactly with the known one; ``#wrong`` is the number of wrong elements
   summed over ranks.

@@ -150,6 +150,31 @@ def test_report_multinode_tables(tmp_path: Any) -> None:
         report.link_rate("10kbaud")
 
 
+def test_run_order_is_shared_and_gives_every_call_every_neighbour() -> None:
+    keys = [(name, False) for name in "abcde"]
+    orders = [common.run_order(keys, rep) for rep in range(200)]
+    assert all(sorted(order) == sorted(keys) for order in orders)
+    assert orders == [common.run_order(keys, rep) for rep in range(200)]  # every rank alike
+    before: dict[Any, set[Any]] = {key: set() for key in keys}
+    for order in orders:
+        for prev, key in zip(order, order[1:]):
+            before[key].add(prev)
+    assert all(before[key] == set(keys) - {key} for key in keys)
+    first = {order[0] for order in orders}
+    assert first == set(keys)
+
+
+def test_time_calls_runs_in_run_order() -> None:
+    from benchmarks.hooks import Call, no_reset
+
+    ran: list[str] = []
+    calls = {(name, False): Call(lambda name=name: ran.append(name), no_reset)
+             for name in "abc"}
+    common.time_calls(calls, iters=3, warmup=0, barrier=lambda: None)
+    want = [key[0] for rep in range(3) for key in common.run_order(list(calls), rep)]
+    assert ran == want
+
+
 def test_budget_cuts_repetitions_but_not_below_three() -> None:
     import time as clock
 
