@@ -46,7 +46,7 @@ from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
 from ..errors import ArgumentError, MpitrainError, UnsupportedError
 from ..ops import ReduceOp, parse_op
-from .fastpath import SmallAllreduce, fits_out
+from .fastpath import SmallAllreduce, SmallCall, SmallReduceScatter, fits_out
 from .policy import policy_for
 from .selection import select
 
@@ -118,6 +118,8 @@ class Dispatcher:
         self._choices: dict[tuple[Any, ...], str] = {}
         # (dtype, shape, op) -> (config.plan_texts() when planned, the plan or None)
         self._small: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllreduce | None]] = {}
+        self._small_rs: dict[tuple[Any, ...],
+                             tuple[tuple[Any, ...], SmallReduceScatter | None]] = {}
 
     @property
     def checking(self) -> bool:
@@ -272,7 +274,7 @@ class Dispatcher:
             entry = self._small.get((x.dtype, x.shape, op, algorithm))  # small_allreduce()
             small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
                 self.small_allreduce(x, op, algorithm)
-            if small is not None and (out is None or fits_out(x, out)):
+            if small is not None and (out is None or fits_out(out, x.shape, x.dtype)):
                 return small.allreduce(x, out)
         return self._allreduce(x, op, algorithm, prescale_factor, postscale_factor, out, name,
                                stream=stream)
@@ -297,27 +299,31 @@ class Dispatcher:
         return small
 
     def _plan_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
-                    algorithm: str | None, texts: tuple[Any, ...]) -> SmallAllreduce | None:
-        try:  # invalid input: the general path raises, with its messages
+                    algorithm: str | None, texts: tuple[Any, ...],
+                    kind: type[SmallCall] = SmallAllreduce) -> Any:
+        """A new fast-path plan of ``kind`` (:mod:`.fastpath`) for ``x``, or ``None`` where
+        the call needs the general path (which also raises for invalid input)."""
+        if kind is SmallReduceScatter and x.ndim == 0:
+            return None
+        try:
             rop = op if type(op) is ReduceOp else parse_op(op)
             if rop is ReduceOp.ADASUM:
                 return None
             dt = self.check_reducible(x, rop)
             nbytes = x.size * dt.itemsize
-            alg = self.algorithm("allreduce", algorithm, nbytes, NUMPY, dt)
+            alg = self.algorithm(kind.collective, algorithm, nbytes, NUMPY, dt)
         except MpitrainError:
             return None
         shape = tuple(x.shape)
         if self.size == 1:
-            return SmallAllreduce(self.transport, None, self.validator, dt, shape, rop, None,
-                                  texts)
+            return kind(self.transport, None, self.validator, dt, shape, rop, None, texts)
         shm = self.shm
         if alg != "shm" or shm is None or \
                 nbytes > min(shm.slot_bytes, config.SEGMENT_BYTES.get() or shm.slot_bytes):
             return None
-        sig = signature("allreduce", rop.value, dtype_name(dt), shape or (x.size,), False, -1,
-                        1.0, 1.0, "", alg) if self.checking else None
-        return SmallAllreduce(self.transport, shm, self.validator, dt, shape, rop, sig, texts)
+        sig = signature(kind.collective, rop.value, dtype_name(dt), shape or (x.size,), False,
+                        -1, 1.0, 1.0, "", alg) if self.checking else None
+        return kind(self.transport, shm, self.validator, dt, shape, rop, sig, texts)
 
     @on_stream
     def _allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
@@ -414,12 +420,44 @@ class Dispatcher:
         return algorithms.ADASUM
 
     # -- reduce-scatter ----------------------------------------------------------------
-    @on_stream
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
                        algorithm: str | None = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, name: str | None = None, *,
                        out: Array | None = None, stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.reduce_scatter`."""
+        if (type(x) is np.ndarray and name is None and stream is None
+                and (algorithm is None or type(algorithm) is str)
+                and prescale_factor == 1.0 and postscale_factor == 1.0
+                and (type(op) is ReduceOp or type(op) is str)):
+            entry = self._small_rs.get((x.dtype, x.shape, op, algorithm))
+            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+                self.small_reduce_scatter(x, op, algorithm)
+            if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
+                return small.reduce_scatter(x, out)
+        return self._reduce_scatter(x, op, algorithm, prescale_factor, postscale_factor, name,
+                                    out=out, stream=stream)
+
+    def small_reduce_scatter(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                             algorithm: str | None = None) -> SmallReduceScatter | None:
+        """The fast-path plan (:mod:`.fastpath`) of a reduce-scatter of ``x`` with ``op``
+        and ``algorithm`` (as requested) and otherwise default arguments, made on first
+        use; ``None`` if the call needs the general path."""
+        texts = config.plan_texts()
+        key = (x.dtype, x.shape, op, algorithm)
+        entry = self._small_rs.get(key)
+        if entry is not None and entry[0] == texts:
+            return entry[1]
+        small = self._plan_small(x, op, algorithm, texts, SmallReduceScatter)
+        if len(self._small_rs) >= SMALL_CACHE_SIZE:
+            self._small_rs.clear()
+        self._small_rs[key] = (texts, small)
+        return small
+
+    @on_stream
+    def _reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                        algorithm: str | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, name: str | None = None, *,
+                        out: Array | None = None, stream: Any = None) -> Array:
         be, arr = backend_and_array(x)
         rop = op if type(op) is ReduceOp else parse_op(op)
         if rop is ReduceOp.ADASUM:
