@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -65,6 +65,17 @@ def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:
     failed = comm.allgather_object(None if ok else f"rank {comm.rank}: {message}")
     bad = [f for f in failed if f is not None]
     assert not bad, "; ".join(bad)
+
+
+_T = TypeVar("_T")
+
+
+def fast_plan(comm: mt.Communicator, plan: _T | None, x: np.ndarray[Any, Any]) -> _T:
+    """``plan``, a small-call fast-path plan for ``x``; fails the test on every rank if
+    any rank has none."""
+    assert_all_ranks(comm, plan is not None, f"no fast path for {x.dtype}{list(x.shape)}")
+    assert plan is not None
+    return plan
 
 
 def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, what: str) -> None:

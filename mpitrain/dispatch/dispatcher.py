@@ -61,6 +61,7 @@ ARENA_BYTES = 8 << 20
 """Shared-memory arena per rank for the stripes of large shm collectives."""
 BARRIER = signature("barrier")
 """The signature of every barrier."""
+_Small = TypeVar("_Small", bound=SmallCall)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -116,7 +117,8 @@ class Dispatcher:
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
-        # (dtype, shape, op) -> (config.plan_texts() when planned, the plan or None)
+        # per kind: (dtype, shape, op, algorithm) -> (config.plan_texts() when planned,
+        # the plan or None)
         self._small: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllreduce | None]] = {}
         self._small_rs: dict[tuple[Any, ...],
                              tuple[tuple[Any, ...], SmallReduceScatter | None]] = {}
@@ -284,26 +286,29 @@ class Dispatcher:
         """The fast-path plan (:mod:`.fastpath`) of an allreduce of ``x`` with ``op``,
         ``algorithm`` (as requested: ``None``, ``"auto"`` or a name) and otherwise default
         arguments, made on first use; ``None`` if the call needs the general path."""
+        return self._small_plan(self._small, SmallAllreduce, x, op, algorithm)
+
+    def _small_plan(self, cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Small | None]],
+                    kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str,
+                    algorithm: str | None) -> _Small | None:
+        """The plan of ``kind`` for the call in ``cache`` while the configuration texts
+        it was made under still hold, else a new one (remembered, ``None`` included)."""
         texts = config.plan_texts()
-        entry = self._small.get((x.dtype, x.shape, op, algorithm))
+        key = (x.dtype, x.shape, op, algorithm)
+        entry = cache.get(key)
         if entry is not None and entry[0] == texts:
             return entry[1]
-        return self._remember_small(x, op, algorithm, texts)
-
-    def _remember_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
-                        algorithm: str | None, texts: tuple[Any, ...]) -> SmallAllreduce | None:
-        small = self._plan_small(x, op, algorithm, texts)
-        if len(self._small) >= SMALL_CACHE_SIZE:
-            self._small.clear()
-        self._small[(x.dtype, x.shape, op, algorithm)] = (texts, small)
+        small = self._plan_small(kind, x, op, algorithm, texts)
+        if len(cache) >= SMALL_CACHE_SIZE:
+            cache.clear()
+        cache[key] = (texts, small)
         return small
 
-    def _plan_small(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
-                    algorithm: str | None, texts: tuple[Any, ...],
-                    kind: type[SmallCall] = SmallAllreduce) -> Any:
+    def _plan_small(self, kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str,
+                    algorithm: str | None, texts: tuple[Any, ...]) -> _Small | None:
         """A new fast-path plan of ``kind`` (:mod:`.fastpath`) for ``x``, or ``None`` where
         the call needs the general path (which also raises for invalid input)."""
-        if kind is SmallReduceScatter and x.ndim == 0:
+        if x.ndim < kind.min_ndim:
             return None
         try:
             rop = op if type(op) is ReduceOp else parse_op(op)
@@ -442,16 +447,7 @@ class Dispatcher:
         """The fast-path plan (:mod:`.fastpath`) of a reduce-scatter of ``x`` with ``op``
         and ``algorithm`` (as requested) and otherwise default arguments, made on first
         use; ``None`` if the call needs the general path."""
-        texts = config.plan_texts()
-        key = (x.dtype, x.shape, op, algorithm)
-        entry = self._small_rs.get(key)
-        if entry is not None and entry[0] == texts:
-            return entry[1]
-        small = self._plan_small(x, op, algorithm, texts, SmallReduceScatter)
-        if len(self._small_rs) >= SMALL_CACHE_SIZE:
-            self._small_rs.clear()
-        self._small_rs[key] = (texts, small)
-        return small
+        return self._small_plan(self._small_rs, SmallReduceScatter, x, op, algorithm)
 
     @on_stream
     def _reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,

@@ -59,9 +59,11 @@ UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
 
 class SmallCall:
     """What a small-call plan holds: the call's identity and checks, and this rank's
-    view of every slot. ``collective`` names the call for the transport's count."""
+    view of every slot. ``collective`` names the call for the transport's count;
+    arrays with fewer than ``min_ndim`` dimensions take the general path."""
 
     collective = ""
+    min_ndim = 0
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp,
@@ -173,6 +175,7 @@ class SmallReduceScatter(SmallCall):
     """
 
     collective = "reduce_scatter"
+    min_ndim = 1  # it splits axis 0
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp,

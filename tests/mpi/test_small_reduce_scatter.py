@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from helpers import (
     DTYPES,
-    assert_all_ranks,
     assert_equal_all_ranks,
     crafted,
     expect_mismatch,
+    fast_plan,
     ops_for,
     reference,
 )
@@ -35,10 +35,7 @@ CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 def fast(comm: mt.Communicator, x: np.ndarray[Any, Any], op: Any = mt.Sum,
          algorithm: str | None = None) -> SmallReduceScatter:
     """The fast-path plan of ``x`` with ``op``; fails the test if there is none."""
-    plan = comm.dispatcher.small_reduce_scatter(x, op, algorithm)
-    assert_all_ranks(comm, plan is not None, f"no fast path for {x.dtype}{list(x.shape)}")
-    assert plan is not None
-    return plan
+    return fast_plan(comm, comm.dispatcher.small_reduce_scatter(x, op, algorithm), x)
 
 
 def block(comm: mt.Communicator, full: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
