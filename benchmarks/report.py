@@ -180,18 +180,16 @@ def of_bound(run: Run, size: int) -> float | None:
 
 
 TARGETS = (
-    Target("allreduce >= 16 MiB: busbw >= 1.5x native", "allreduce", "", 16 * MiB, 1 << 40,
+    Target("allreduce >= 256 KiB: >= 1.5x native", "allreduce", "", 256 * KiB, 1 << 40,
            1.5, speedup("mpi")),
-    Target("allreduce 256 KiB - 4 MiB: >= 1.2x native", "allreduce", "", 256 * KiB,
-           4 * MiB, 1.2, speedup("mpi")),
     Target("allreduce <= 16 KiB: latency <= 2x native (validation on)", "allreduce",
            "overhead", 0, 16 * KiB, 0.5, speedup("mpi")),
     Target("allreduce >= 64 MiB: >= 1.2x tuned native (malloc thresholds)", "allreduce",
            "malloc", 64 * MiB, 1 << 40, 1.2, speedup("mpi")),
-    Target("reduce_scatter >= 1 MiB: >= 3x native Reduce_scatter_block", "reduce_scatter", "",
-           MiB, 1 << 40, 3.0, speedup("mpi")),
-    Target("allgather >= 1 MiB: >= 1.0x native Allgather", "allgather", "", MiB, 1 << 40, 1.0,
-           speedup("mpi")),
+    Target("reduce_scatter >= 16 KiB: >= 1.5x native Reduce_scatter_block", "reduce_scatter",
+           "", 16 * KiB, 1 << 40, 1.5, speedup("mpi")),
+    Target("allgather >= 64 KiB: >= 1.0x native Allgather", "allgather", "", 64 * KiB,
+           1 << 40, 1.0, speedup("mpi")),
     Target("allreduce, every size: faster than gloo", "allreduce", "", 0, 1 << 40, 1.0,
            speedup("gloo")),
     Target("reduce_scatter, every size: faster than gloo", "reduce_scatter", "", 0, 1 << 40,

@@ -46,17 +46,19 @@ from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
 from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
 from ..errors import ArgumentError, MpitrainError, UnsupportedError
 from ..ops import ReduceOp, parse_op
-from .fastpath import SmallAllreduce, SmallCall, SmallReduceScatter, fits_out
+from .fastpath import SmallAllgather, SmallAllreduce, SmallCall, SmallReduceScatter, fits_out
 from .policy import policy_for
-from .selection import select
+from .selection import may_select, select
 
 Array = Any
 PLAN_CACHE_SIZE = 32
 """Plans kept per dispatcher (least recently used first out)."""
 SMALL_CACHE_SIZE = 64
-"""Small-allreduce plans (:mod:`.fastpath`) kept per dispatcher (all dropped when full)."""
-SLOT_BYTES = 64 << 10
-"""Shared-memory slot per rank: calls up to this size ride the validation exchange."""
+"""Small-call plans (:mod:`.fastpath`) kept per dispatcher and kind (all dropped when full)."""
+SLOT_BYTES = 512 << 10
+"""Shared-memory slot per rank: calls up to this size ride the validation exchange
+(a slot copies a block in and every rank's out with one barrier, where the stripes
+need two; BENCHMARKS.md shows where it wins)."""
 ARENA_BYTES = 8 << 20
 """Shared-memory arena per rank for the stripes of large shm collectives."""
 BARRIER = signature("barrier")
@@ -122,6 +124,7 @@ class Dispatcher:
         self._small: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllreduce | None]] = {}
         self._small_rs: dict[tuple[Any, ...],
                              tuple[tuple[Any, ...], SmallReduceScatter | None]] = {}
+        self._small_ag: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllgather | None]] = {}
 
     @property
     def checking(self) -> bool:
@@ -289,7 +292,7 @@ class Dispatcher:
         return self._small_plan(self._small, SmallAllreduce, x, op, algorithm)
 
     def _small_plan(self, cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Small | None]],
-                    kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str,
+                    kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str | None,
                     algorithm: str | None) -> _Small | None:
         """The plan of ``kind`` for the call in ``cache`` while the configuration texts
         it was made under still hold, else a new one (remembered, ``None`` included)."""
@@ -304,30 +307,46 @@ class Dispatcher:
         cache[key] = (texts, small)
         return small
 
-    def _plan_small(self, kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str,
+    def _plan_small(self, kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str | None,
                     algorithm: str | None, texts: tuple[Any, ...]) -> _Small | None:
         """A new fast-path plan of ``kind`` (:mod:`.fastpath`) for ``x``, or ``None`` where
-        the call needs the general path (which also raises for invalid input)."""
+        the call needs the general path (which also raises for invalid input).
+
+        A reduction needs an ``op``; an allgather (``op`` ``None``) is chosen by its
+        gathered size, as if every rank sent ``x``'s rows, and is always validated."""
         if x.ndim < kind.min_ndim:
             return None
         try:
-            rop = op if type(op) is ReduceOp else parse_op(op)
-            if rop is ReduceOp.ADASUM:
-                return None
-            dt = self.check_reducible(x, rop)
-            nbytes = x.size * dt.itemsize
-            alg = self.algorithm(kind.collective, algorithm, nbytes, NUMPY, dt)
+            if op is None:
+                rop = None
+                dt = check_dtype(x.dtype, rank=self.rank)
+                total = x.size * self.size * dt.itemsize
+            else:
+                rop = op if type(op) is ReduceOp else parse_op(op)
+                if rop is ReduceOp.ADASUM:
+                    return None
+                dt = self.check_reducible(x, rop)
+                total = x.size * dt.itemsize
+            alg = self.algorithm(kind.collective, algorithm, total, NUMPY, dt)
         except MpitrainError:
             return None
         shape = tuple(x.shape)
         if self.size == 1:
             return kind(self.transport, None, self.validator, dt, shape, rop, None, texts)
-        shm = self.shm
-        if alg != "shm" or shm is None or \
-                nbytes > min(shm.slot_bytes, config.SEGMENT_BYTES.get() or shm.slot_bytes):
+        shm, segment = self.shm, config.SEGMENT_BYTES.get()
+        if alg != "shm" or shm is None or x.size * dt.itemsize > shm.slot_bytes or \
+                (segment and total > segment):
             return None
-        sig = signature(kind.collective, rop.value, dtype_name(dt), shape or (x.size,), False,
-                        -1, 1.0, 1.0, "", alg) if self.checking else None
+        if rop is None:
+            # the general path's signature: the trailing shape and the requested name
+            if shm.single_copy and may_select("allgather", "single_copy"):
+                return None  # a table that may pick it needs every rank's block address
+            sig: Signature | None = signature(
+                kind.collective, "", dtype_name(dt), shape[1:], True, -1, 1.0, 1.0, "",
+                (algorithm or config.ALGORITHM.get()).lower())
+        else:
+            sig = signature(kind.collective, rop.value, dtype_name(dt), shape or (x.size,),
+                            False, -1, 1.0, 1.0, "", alg) if self.checking else None
         return kind(self.transport, shm, self.validator, dt, shape, rop, sig, texts)
 
     @on_stream
@@ -490,10 +509,34 @@ class Dispatcher:
         return result.reshape(shape) if out is None else out
 
     # -- allgather ---------------------------------------------------------------------
-    @on_stream
     def allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
                   out: Array | None = None, stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.allgather`."""
+        if (type(x) is np.ndarray and name is None and stream is None
+                and (algorithm is None or type(algorithm) is str)):
+            entry = self._small_ag.get((x.dtype, x.shape, None, algorithm))
+            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+                self.small_allgather(x, algorithm)
+            if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
+                result = small.allgather(x, out)
+                if result is not None:
+                    return result
+                # the ranks' rows differ from the plan's: finish from the same exchange
+                total = -1 if out is None else small.out_shape[0]
+                return self._gathered(NUMPY, np.ascontiguousarray(x).reshape(-1),
+                                      small.shape[1:], small.dtype, algorithm, out, total)
+        return self._allgather(x, algorithm, name, out=out, stream=stream)
+
+    def small_allgather(self, x: np.ndarray[Any, Any],
+                        algorithm: str | None = None) -> SmallAllgather | None:
+        """The fast-path plan (:mod:`.fastpath`) of an allgather of ``x`` with
+        ``algorithm`` (as requested) and otherwise default arguments, made on first use;
+        ``None`` if the call needs the general path."""
+        return self._small_plan(self._small_ag, SmallAllgather, x, None, algorithm)
+
+    @on_stream
+    def _allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
+                   out: Array | None = None, stream: Any = None) -> Array:
         be, arr = backend_and_array(x)
         dt = check_dtype(arr.dtype, rank=self.rank)
         if arr.ndim == 0:
@@ -518,15 +561,28 @@ class Dispatcher:
         agreed = trailing if out is None else (total, *trailing)
         sig = signature("allgather", "", dtype_name(dt), agreed, True, -1, 1.0, 1.0, name or "",
                         requested)
-        # a small block rides the exchange in this rank's shared-memory slot
+        # a small block rides the exchange in this rank's shared-memory slot, where the
+        # call would run shm if every rank sent as many rows (ShmAllgather reads the
+        # slots only if every rank's block is there)
         payload = self.shm.offer(be.as_bytes(block)) \
-            if self.shm is not None and be is NUMPY else NO_PAYLOAD
-        # where the others may read the block (the single_copy algorithm)
+            if self.shm is not None and be is NUMPY and self.algorithm(
+                "allgather", algorithm, block.size * dt.itemsize * self.size, be, dt) == "shm" \
+            else NO_PAYLOAD
+        # where the others may read the block, if the call may run single_copy
         address = hostcopy.address(block) \
-            if self.shm is not None and self.shm.single_copy and be is NUMPY else 0
+            if self.shm is not None and self.shm.single_copy and be is NUMPY and (
+                requested == "single_copy" or may_select("allgather", "single_copy")) else 0
         self.validator.exchange(sig, rows=arr.shape[0], payload=payload, address=address)
+        return self._gathered(be, block, trailing, dt, algorithm, out, total)
+
+    def _gathered(self, be: ArrayBackend, block: Array, trailing: tuple[int, ...],
+                  dt: np.dtype[Any], algorithm: str | None, out: Array | None,
+                  total: int) -> Array:
+        """The rest of an allgather once its exchange has run: every rank's rows from the
+        headers, the algorithm for the gathered size, and its plan (``block``: this
+        rank's flat block; ``total``: the rows of ``out=``, else -1)."""
         rows = self.validator.rows()
-        row = row_size(arr.shape)
+        row = row_size((1, *trailing))
         counts = tuple(r * row for r in rows)
         if out is not None:  # total and rows are the same on every rank: all raise
             self.check_gathered_rows(total, rows, trailing)

@@ -1,6 +1,6 @@
-"""The small-call fast paths: a blocking allreduce (:class:`SmallAllreduce`) or
-reduce-scatter (:class:`SmallReduceScatter`) planned once per (dtype, shape, op,
-requested algorithm).
+"""The small-call fast paths: a blocking allreduce (:class:`SmallAllreduce`),
+reduce-scatter (:class:`SmallReduceScatter`) or allgather (:class:`SmallAllgather`)
+planned once per (dtype, shape, op, requested algorithm).
 
 A blocking allreduce of a small numpy array spends far longer in Python than in moving
 its bytes: argument checks, the algorithm choice, the signature, the plan lookup and
@@ -18,6 +18,13 @@ scaling (``algorithm`` as requested: none, ``"auto"`` or a name), a
 
 :class:`SmallReduceScatter` is the same for a reduce-scatter (at one rank, a copy; on
 one node, this rank's rows of every slot reduced into the result).
+
+:class:`SmallAllgather` is the same for an allgather whose block fits a slot and whose
+gathered size the table sends to ``shm``: the block and this rank's row count go into
+its slot and header, one validated barrier, then one copy of every slot into the
+result. Rows may differ between ranks; when they are not the plan's (every rank the
+caller's), every rank sees it in the headers, and the general path finishes the call
+from the same exchange.
 
 Validation is not weakened: the fingerprint covers the collective, op, dtype, shape,
 scaling, name and algorithm exactly as :func:`~mpitrain.comm.validation.signature`
@@ -40,9 +47,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backends import NUMPY
-from ..comm.shm import SharedMemory
+from ..comm.shm import PAYLOAD, ROWS, SharedMemory
 from ..comm.transport import Transport
-from ..comm.validation import Signature, Validator
+from ..comm.validation import Signature, Validator, signature
 from ..ops import ReduceOp
 
 Array = Any
@@ -66,14 +73,12 @@ class SmallCall:
     min_ndim = 0
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
-                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp,
+                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
                  sig: Signature | None, texts: tuple[Any, ...]) -> None:
         self.transport, self.validator, self.texts = transport, validator, texts
         self.dtype, self.shape, self.sig = dtype, shape, sig
         self.fingerprint = sig.fingerprint if sig is not None else 0
-        self.ufunc = UFUNCS[op]
         n = self.size = transport.size
-        self.scale = 1.0 / n if op is ReduceOp.AVERAGE else 1.0
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self.shm = shm
         # views[p][q]: rank q's slot at parity p, flat, as this call's dtype
@@ -82,10 +87,9 @@ class SmallCall:
         # mine[p]: this rank's slot at parity p, in the caller's shape
         self.mine = [v[transport.rank].reshape(shape) for v in self.views]
 
-    def _meet(self, shm: SharedMemory, x: Array) -> int:
-        """Count the call, copy ``x`` into this rank's slot of ``shm`` (the plan's) and
-        pass the validated barrier (raising MismatchError on every rank if the ranks
-        disagree); returns the parity of the slots to read."""
+    def _begin(self, shm: SharedMemory) -> int:
+        """Count the call (as the transport's ``begin`` does); returns the parity of the
+        slots this call writes and reads."""
         t = self.transport
         if t.broken is None and not t.inflight:  # Transport.begin, inlined
             t.seq += 1
@@ -93,13 +97,34 @@ class SmallCall:
         else:
             t.begin(self.collective)  # raises on a broken transport, forgets old requests
         p = self.validator.parity = (shm.seq + 1) & 1
+        return p
+
+    def _meet(self, shm: SharedMemory, x: Array) -> int:
+        """Count the call, copy ``x`` into this rank's slot of ``shm`` (the plan's) and
+        pass the validated barrier (raising MismatchError on every rank if the ranks
+        disagree); returns the parity of the slots to read."""
+        p = self._begin(shm)
         self.mine[p][...] = x
         if not shm.agree(self.fingerprint) and self.sig is not None:  # Validator.meet
             self.validator.raise_mismatch(self.sig)
         return p
 
 
-class SmallAllreduce(SmallCall):
+class SmallReduction(SmallCall):
+    """A small call that reduces: the elementwise ``ufunc`` of its op, and the
+    ``scale`` of its result (``1/size`` for ``Average``)."""
+
+    def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
+                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
+                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+        if op is None:
+            raise ValueError(f"a {self.collective} plan needs an op")
+        self.ufunc = UFUNCS[op]
+        self.scale = 1.0 / self.size if op is ReduceOp.AVERAGE else 1.0
+
+
+class SmallAllreduce(SmallReduction):
     """A planned blocking allreduce of one ``(dtype, shape, op)`` (see the module docs).
 
     Args:
@@ -116,7 +141,7 @@ class SmallAllreduce(SmallCall):
     collective = "allreduce"
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
-                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp,
+                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
                  sig: Signature | None, texts: tuple[Any, ...]) -> None:
         super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
         # a 0-d ufunc result is a scalar, not an array: give those an output array
@@ -133,7 +158,7 @@ class SmallAllreduce(SmallCall):
             if out is not x:
                 out[...] = x
             return out
-        # _meet, inlined on the hottest call: calling it measured 1-2 % more time here
+        # _meet (and _begin), inlined on the hottest call: calling it measured 1-2 % more time here
         # (0.02-0.03 us of 1.55 us at 2 ranks, python -m benchmarks.latency, 4 runs each)
         t = self.transport
         if t.broken is None and not t.inflight:  # Transport.begin, inlined
@@ -162,7 +187,7 @@ class SmallAllreduce(SmallCall):
         return out
 
 
-class SmallReduceScatter(SmallCall):
+class SmallReduceScatter(SmallReduction):
     """A planned blocking reduce-scatter of one ``(dtype, shape, op)``: the small
     reduce-scatter of the ``shm`` algorithm with nothing around it. The input is copied
     into this rank's slot, the validation exchange runs, and this rank's block of rows
@@ -178,7 +203,7 @@ class SmallReduceScatter(SmallCall):
     min_ndim = 1  # it splits axis 0
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
-                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp,
+                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
                  sig: Signature | None, texts: tuple[Any, ...]) -> None:
         super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
         r, row = transport.rank, int(np.prod(shape[1:], dtype=np.int64))
@@ -207,6 +232,74 @@ class SmallReduceScatter(SmallCall):
                 ufunc(out, other, out=out)
         if self.scale != 1.0:
             NUMPY.scale(out, self.scale)
+        return out
+
+
+class SmallAllgather(SmallCall):
+    """A planned blocking allgather of one ``(dtype, shape)`` block per rank, every rank
+    sending ``shape[0]`` rows: the small allgather of the ``shm`` algorithm with nothing
+    around it (see the module docs).
+
+    Args: as :class:`SmallAllreduce`'s, without an op (``None``); ``shape`` has at
+    least one dimension, and ``sig`` is the signature of a call without ``out=``
+    (allgather is always validated: the exchange carries the row counts).
+
+    The result has :attr:`out_shape`, ``(size * shape[0], *shape[1:])``. A call whose
+    ranks send other row counts returns ``None`` after the exchange: the general path
+    then finishes it from the headers (:meth:`~mpitrain.comm.validation.Validator.rows`).
+    """
+
+    collective = "allgather"
+    min_ndim = 1  # it concatenates along axis 0
+
+    def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
+                 dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
+                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+        n, r, rows = self.size, transport.rank, shape[0]
+        self.rows = rows
+        self.out_shape = (n * rows, *shape[1:])
+        # with out=, its row count is part of what the ranks agree on (as on the general
+        # path, so the two meet)
+        self.out_sig = None if sig is None else signature(
+            sig.collective, sig.op, sig.dtype, self.out_shape, True, -1, 1.0, 1.0, sig.name,
+            sig.algorithm)
+        self.out_fingerprint = self.out_sig.fingerprint if self.out_sig is not None else 0
+        # this rank's row and payload words in a header; every rank's rows, then every
+        # rank's payloads, are words [ROWS * n, (PAYLOAD + 1) * n)
+        self.rows_at, self.payload_at = ROWS * n + r, PAYLOAD * n + r
+        self.headers_lo, self.headers_hi = ROWS * n, (PAYLOAD + 1) * n
+        self.expected = [rows] * n + [self.nbytes] * n
+        # gathered[p]: every rank's slot at parity p as a (size, *shape) array
+        self.gathered = [] if shm is None else \
+            [shm.slots[p][:, :self.nbytes].view(dtype).reshape((n, *shape)) for p in range(2)]
+
+    def allgather(self, x: Array, out: Array | None) -> Array | None:
+        """Every rank's ``x`` concatenated along axis 0, in ``out`` or a new array of
+        :attr:`out_shape`; ``None`` if the ranks' row counts are not the plan's (the
+        exchange has happened: the caller finishes the call from its headers)."""
+        shm = self.shm
+        if shm is None:  # one rank: the gathered array is the block
+            if out is None:
+                return x.copy()
+            out[...] = x
+            return out
+        p = self._begin(shm)
+        words = shm.header_words[p]  # Validator.exchange's header, with the slot filled
+        words[self.rows_at] = self.rows
+        words[self.payload_at] = self.nbytes
+        self.mine[p][...] = x
+        if out is None:
+            if not shm.agree(self.fingerprint) and self.sig is not None:
+                self.validator.raise_mismatch(self.sig)
+        elif not shm.agree(self.out_fingerprint) and self.out_sig is not None:
+            self.validator.raise_mismatch(self.out_sig)
+        if words[self.headers_lo:self.headers_hi].tolist() != self.expected:
+            return None
+        gathered = self.gathered[p]
+        if out is None:
+            out = np.empty(self.out_shape, self.dtype)
+        out.reshape(gathered.shape)[...] = gathered
         return out
 
 

@@ -62,9 +62,10 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("reduce_scatter", "shm"),
     Rule("reduce_scatter", "mpi", max_bytes=64 * KiB),
     Rule("reduce_scatter", "ring"),
-    # Above a slot, native Allgather (one copy through shared memory) rather than the
-    # shm stripes, which copy into the window and out again.
-    Rule("allgather", "shm", max_bytes=64 * KiB),
+    # While every block fits a slot (1 MiB gathered is at most 512 KiB per rank), one
+    # barrier and a copy in and out; above, native Allgather (one copy through shared
+    # memory) rather than the shm stripes, which add a barrier per stripe.
+    Rule("allgather", "shm", max_bytes=1 * MiB),
     Rule("allgather", "mpi"),
     Rule("broadcast", "shm"),
     Rule("broadcast", "mpi"),
@@ -94,6 +95,17 @@ def _rules_for(path: str) -> tuple[Rule, ...]:
 
 
 _choices: dict[tuple[Any, ...], str] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _named_in(path: str) -> frozenset[tuple[str, str]]:
+    return frozenset((rule.collective, rule.algorithm) for rule in _rules_for(path))
+
+
+def may_select(collective: str, algorithm: str) -> bool:
+    """True if some rule of the table in use (the tuning file's, then the built-in ones)
+    names ``algorithm`` for ``collective``: whether ``select`` may ever return it."""
+    return (collective, algorithm) in _named_in(config.TUNING_FILE.get())
 
 
 def select(collective: str, nbytes: int, ranks: int, buffer: str,

@@ -20,7 +20,7 @@ one ``[kind, first n, count, signature]`` item, whatever the length of the run, 
 of one (name, signature) pair per request. A cycle
 is one exchange of a fixed-size *slot* per rank (payload length, stop flag,
 threshold, and the payload itself when it fits): through the communicator's
-shared-memory slots (64 KiB) when all ranks are on one node, else one
+shared-memory slots (512 KiB) when all ranks are on one node, else one
 ``MPI_Iallgather`` of 4 KiB slots. While a caller is blocked in ``wait()`` the
 exchange waits like a blocking call; otherwise it is polled with a growing sleep
 (after a first 100 us of tests, enough for ranks that are in step), so that a rank

@@ -24,6 +24,7 @@ from helpers import (
 )
 
 import mpitrain as mt
+from mpitrain.dispatch.dispatcher import SLOT_BYTES
 from mpitrain.dispatch.fastpath import SmallAllreduce
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
@@ -109,7 +110,7 @@ def test_plans_follow_dtype_shape_op_and_configuration(comm: mt.Communicator,
         env.undo()
         again = fast(comm, a)
         assert again is not plan and again.sig == plan.sig  # planned again, same checks
-    big = np.ones((64 << 10) // 4 + 1, np.float32)  # over a slot
+    big = np.ones(SLOT_BYTES // 4 + 1, np.float32)  # over a slot
     assert (d.small_allreduce(big, mt.Sum) is None) == (comm.size > 1)
     assert d.small_allreduce(a, mt.Adasum) is None
     assert_equal_all_ranks(comm, comm.allreduce(big), big * comm.size, "over a slot")

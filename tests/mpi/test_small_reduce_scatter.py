@@ -27,6 +27,7 @@ from helpers import (
 )
 
 import mpitrain as mt
+from mpitrain.dispatch.dispatcher import SLOT_BYTES
 from mpitrain.dispatch.fastpath import SmallReduceScatter
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
@@ -118,7 +119,7 @@ def test_plans_follow_shape_op_algorithm_and_configuration(comm: mt.Communicator
         env.undo()
         again = fast(comm, a)
         assert again is not plan and again.sig == plan.sig  # planned again, same checks
-        big = np.ones(((64 << 10) // 4 + n, 1), np.float32)  # over a slot
+        big = np.ones((SLOT_BYTES // 4 + n, 1), np.float32)  # over a slot
         assert d.small_reduce_scatter(big, mt.Sum) is None
         assert_equal_all_ranks(comm, comm.reduce_scatter(big), block(comm, big * n),
                                "over a slot")

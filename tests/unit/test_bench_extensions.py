@@ -116,7 +116,7 @@ def test_report_tables_and_targets(tmp_path: Any) -> None:
     assert report.main([str(tmp_path), "-t", str(tmp_path / "BENCHMARKS.template.md"),
                         "-o", str(out)]) == 0
     text = out.read_text()
-    assert "| allreduce >= 16 MiB: busbw >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 | yes |" \
+    assert "| allreduce >= 256 KiB: >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 | yes |" \
         in text
     assert "| allreduce <= 16 KiB: latency <= 2x native (validation on) | 2 | 0.40 (4 B) | " \
            "0.50 | no, 80% of the goal |" in text
@@ -223,9 +223,9 @@ def test_report_puts_busy_polling_first_with_targets_per_setup(tmp_path: Any) ->
     yielding = text.index("## 4 ranks on 2 cores, yielding (`--mca mpi_yield_when_idle 1`)")
     assert busy < yielding < text.index("## Training")
     assert text.count("### Targets") == 2
-    assert text.index("| allreduce >= 16 MiB: busbw >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 "
+    assert text.index("| allreduce >= 256 KiB: >= 1.5x native | 2 | 2.00 (16 MiB) | 1.50 "
                       "| yes |") < yielding
-    assert text.index("| allreduce >= 16 MiB: busbw >= 1.5x native | 4 | 1.25 (16 MiB) | 1.50 "
+    assert text.index("| allreduce >= 256 KiB: >= 1.5x native | 4 | 1.25 (16 MiB) | 1.50 "
                       "| no, 83% of the goal |") > yielding
     assert "### train" not in text and "cmd-np2" in text
     training = text[text.index("## Training"):]
