@@ -130,6 +130,21 @@ def test_selection_table(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.M
         selection.select("allreduce", 4, 2, "numpy", avail)
 
 
+def test_one_node_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one node: shm, except native Allgather from 16 MiB gathered; and which
+    algorithms the table may ever pick (the allgather fast path asks)."""
+    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+    every = ("ring", "mpi", "shm", "single_copy")
+    mib = 1 << 20
+    assert selection.select("allreduce", 256 * mib, 2, "numpy", every) == "shm"
+    assert selection.select("reduce_scatter", 256 * mib, 2, "numpy", every) == "shm"
+    assert selection.select("allgather", 16 * mib - 4, 2, "numpy", every) == "shm"
+    assert selection.select("allgather", 16 * mib, 2, "numpy", every) == "mpi"
+    assert selection.may_select("allgather", "shm")
+    assert not selection.may_select("allgather", "single_copy")
+    assert not selection.may_select("allgather", "bruck")
+
+
 def test_error_hierarchy() -> None:
     for cls in (mt.ArgumentError, mt.DtypeError, mt.MismatchError, mt.StallError,
                 mt.NotInitializedError):
