@@ -84,6 +84,16 @@ def assert_equal_all_ranks(comm: mt.Communicator, actual: Any, expected: Any, wh
     assert_all_ranks(comm, not why, f"{what}: {why}")
 
 
+def expect_last_rank_mismatch(comm: mt.Communicator,
+                              call: Callable[[mt.Communicator, bool], Any],
+                              pattern: str) -> None:
+    """``call(comm, odd)``, ``odd`` True on the last rank only, must raise MismatchError
+    matching ``pattern`` on every rank, twice (the second time through cached plans)."""
+    odd = comm.rank == comm.size - 1
+    for _ in range(2):
+        expect_mismatch(comm, lambda: call(comm, odd), pattern)
+
+
 def expect_mismatch(comm: mt.Communicator, call: Callable[[], Any], pattern: str) -> None:
     """``call`` must raise MismatchError matching ``pattern`` on every rank; the
     communicator must then still work."""
