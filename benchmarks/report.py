@@ -275,8 +275,26 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                        f"{r['samples_per_s']:.1f} | {r['scaling']:.2f} | {ratio} | "
                        f"{'-' if one else format(r['difference'], '.1e')} | "
                        f"{'-' if one else ('OK' if r['ok'] else 'FAILED')} |")
+        bounds = scaling_bounds(run.doc)
+        if bounds:
+            out += ["", "Highest `ddp/impl` any implementation could reach, with communication "
+                    "that costs nothing (its step then equals the one-rank step, times ranks / "
+                    "cores where there are more ranks than cores): " + ", ".join(
+                        f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
         out.append("")
     return out
+
+
+def scaling_bounds(doc: dict[str, Any]) -> dict[str, float]:
+    """Per model of a training run, DDP's step time over the shortest step any data-
+    parallel implementation could take: the one-rank step (weak scaling: the per-rank
+    batch is fixed), times ranks / cores where the ranks outnumber the cores."""
+    ranks, cores = doc["machine"]["ranks"], doc["machine"]["cpus"]
+    steps: dict[str, dict[str, float]] = {}
+    for r in doc["results"]:
+        steps.setdefault(r["model"], {})[r["impl"]] = r["step_ms"]
+    return {model: s["ddp"] / (s["1 rank"] * max(1.0, ranks / cores))
+            for model, s in steps.items() if "ddp" in s and "1 rank" in s}
 
 
 RATES = {"mbit": 1e6 / 8, "gbit": 1e9 / 8}  # bytes per second per unit of link rate

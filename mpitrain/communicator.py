@@ -11,7 +11,7 @@ Horovod: ``op`` is out of place, ``op_`` in place, ``op_async``/``op_async_`` re
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, ContextManager, Iterable, Sequence
 
 from mpi4py import MPI
 
@@ -356,6 +356,18 @@ class Communicator:
     def poll(handle: Handle) -> bool:
         """True once ``handle`` is done; never blocks (``handle.test()``)."""
         return handle.test()
+
+    def batch(self) -> ContextManager[None]:
+        """A block whose async submissions reach the engine together.
+
+        ``with comm.batch(): hs = [comm.allreduce_async_(x) for x in xs]`` hands the
+        whole list to one negotiation cycle when the block ends, where they fuse as
+        far as ``MPITRAIN_FUSION_THRESHOLD`` allows; without it the engine starts a
+        cycle at the first submission, and the rest trickle into later ones. Waiting
+        on a handle inside the block is allowed (the waiting thread runs the cycle).
+        Starts the async engine if need be (collective then).
+        """
+        return self.engine().batch()
 
     def async_stats(self) -> EngineStats:
         """Counters of the async engine (cycles, collectives, fused arrays, ...)."""

@@ -134,6 +134,7 @@ class Engine:
         self._idle = False  # the progress thread is (about to be) asleep: wake it
         self._cycling = threading.Lock()  # held by the thread running a cycle
         self._incoming: list[Request] = []
+        self._batches = 0  # open batch() blocks: the progress thread leaves _incoming alone
         self._in_flight: set[str] = set()
         self._counters: defaultdict[str, Iterator[int]] = defaultdict(count)
         self._specs: dict[tuple[Any, ...], Spec] = {}
@@ -404,9 +405,26 @@ class Engine:
             if name is not None:
                 self._in_flight.add(name)
             self._incoming.append(request)
-            if self._idle:  # one wake-up per sleep, not one per submission
+            if self._idle and not self._batches:  # one wake-up per sleep, not per submission
                 self._wake()
         return request
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold the submissions made inside the block until it ends, so that they reach
+        one cycle together (one negotiation, fused as far as the threshold allows)
+        instead of trickling into the cycles the progress thread would start at the
+        first of them. A caller that waits on a handle inside the block runs the cycle
+        itself (nothing is held from it), so waiting there cannot hang."""
+        with self._lock:
+            self._batches += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._batches -= 1
+                if not self._batches and self._incoming:
+                    self._wake()
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -477,14 +495,14 @@ class Engine:
                         while not self._has_work() and not self._finished:
                             self._idle = True
                             self._cond.wait()
-                    elif not self._incoming and not progressed:
+                    elif not progressed and not (self._incoming and not self._batches):
                         self._idle = True
                         self._cond.wait(self._cycle_seconds())
                     self._idle = False
                 with self._cycling:  # a waiting caller may be running a cycle
                     # never an empty cycle: every rank would have to match it
                     if not self._finished:
-                        progressed = self._step() if self._has_work() else True
+                        progressed = self._step(False) if self._has_work() else True
         except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
             self._abort(exc)
         finally:
@@ -492,9 +510,11 @@ class Engine:
             if tl is not None:
                 tl.flush()
 
-    def _has_work(self) -> bool:
-        return bool(self._incoming or self._pending) or self._stopping \
-            or self._join is not None
+    def _has_work(self, driving: bool = False) -> bool:
+        """Whether a cycle has something to do; the progress thread (not ``driving``)
+        leaves submissions held by :meth:`batch` alone."""
+        return bool((self._incoming and (driving or not self._batches)) or self._pending) \
+            or self._stopping or self._join is not None
 
     def _wake(self) -> None:
         """Wake the progress thread if it sleeps (hold ``_cond``)."""
@@ -519,10 +539,10 @@ class Engine:
                 if not self._cycling.acquire(blocking=False):
                     return
                 try:
-                    if handle.done or self._finished or not self._has_work():
+                    if handle.done or self._finished or not self._has_work(True):
                         return
                     ran = True
-                    if not self._step():
+                    if not self._step(True):
                         return
                 except BaseException as exc:  # as in the progress thread: fail everything
                     self._abort(exc)
@@ -535,11 +555,15 @@ class Engine:
                     if self._has_work():
                         self._wake()
 
-    def _step(self) -> bool:
-        """Take the new submissions and run one cycle."""
+    def _step(self, driving: bool) -> bool:
+        """Take the new submissions (unless a :meth:`batch` holds them from the progress
+        thread) and run one cycle."""
         with self._cond:
-            incoming, self._incoming = self._incoming, []
             stopping = self._stopping
+            if driving or stopping or not self._batches:
+                incoming, self._incoming = self._incoming, []
+            else:
+                incoming = []
             joining = self._join is not None
         return self._cycle(incoming, stopping, joining)
 

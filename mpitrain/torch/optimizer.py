@@ -13,8 +13,12 @@ Each parameter gets a ``register_post_accumulate_grad_hook``: when autograd has
 accumulated its gradient, the hook tells the :class:`~mpitrain.trainer.GradientReducer`,
 which starts the in-place allreduce of ``p.grad`` at once (after
 ``backward_passes_per_step`` passes), while backward goes on with earlier layers.
-``step()`` waits for all of them. With ``op=Adasum`` (:class:`AdasumReducer`) the
-hook steps the parameter's group locally instead and starts the Adasum of its change.
+``step()`` waits for all of them. Where that overlap cannot pay (CPU tensors on one
+node, no core to spare beyond ``torch.get_num_threads()``: see
+:func:`~mpitrain.trainer.reducer.grad_batch_bytes`, ``MPITRAIN_GRAD_BATCH_BYTES``),
+final gradients wait until 8 MiB of them are ready and start together. With
+``op=Adasum`` (:class:`AdasumReducer`) the hook steps the parameter's group locally
+instead and starts the Adasum of its change.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class TensorBridge:
     def buffer(self, value: torch.Tensor) -> Any:
         """A zero-copy view for the comm layer."""
         return as_buffer(value)
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        """``param``'s size in bytes (its gradient's)."""
+        return param.numel() * param.element_size()
 
     def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Store the averaged gradient in ``p.grad`` (in place when layouts agree)."""
@@ -225,11 +233,14 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         names = self._names()
         updated = [(names[id(p)], p) for p in params if p.requires_grad]
         comm = communicator(self._process_set)  # the global set's changes in a reset
+        host = all(p.device.type == "cpu" for _, p in updated)
+        threads = torch.get_num_threads()
         if isinstance(self._bridge, DeltaBridge):
             self.reducer = AdasumReducer(updated, self._bridge, self.optimizer, comm=comm,
-                                         **self._options)
+                                         host=host, compute_threads=threads, **self._options)
         else:
-            self.reducer = TensorReducer(updated, self._bridge, comm=comm, **self._options)
+            self.reducer = TensorReducer(updated, self._bridge, comm=comm, host=host,
+                                         compute_threads=threads, **self._options)
         me = weakref.ref(self)
         for _, p in updated:
             if id(p) not in self._hooked:

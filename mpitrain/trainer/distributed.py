@@ -30,6 +30,10 @@ class ArrayBridge:
         """Arrays go to the comm layer as they are."""
         return value
 
+    def nbytes(self, param: Any) -> int:
+        """``param.data``'s size in bytes (its gradient's)."""
+        return int(param.data.nbytes)
+
     def assign(self, param: Any, value: Any) -> None:
         """Copy ``value`` into ``param.grad`` (keeping the array) unless it is that array."""
         if value is not param.grad:
@@ -71,7 +75,8 @@ class DistributedOptimizer(DistributedOptimizerBase):
         self.reducer = GradientReducer(
             named, ArrayBridge(), comm=comm, compression=compression, op=op,
             backward_passes_per_step=backward_passes_per_step,
-            gradient_predivide_factor=gradient_predivide_factor, groups=groups)
+            gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+            host=all(isinstance(p.data, np.ndarray) for p in optimizer.params))
 
     @property
     def params(self) -> list[Any]:

@@ -11,10 +11,26 @@ Life of one step, per parameter ``p``:
    (autograd hooks call it in the torch adapter). The ``backward_passes_per_step``-th
    call makes the gradient final; once every parameter of ``p``'s group is final,
    the group is compressed and its allreduce submitted, in place
-   (``allreduce_async_``, or ``grouped_allreduce_async_`` for a group of several).
+   (``allreduce_async_``, or ``grouped_allreduce_async_`` for a group of several)
+   once :attr:`GradientReducer.batch_bytes` of final gradients are waiting (below),
+   all the waiting groups in one :meth:`~mpitrain.Communicator.batch`.
 2. ``synchronize()`` (called by ``step()``) submits the groups that were not
    submitted yet (a parameter without gradient contributes zeros, as other ranks
-   may have one), waits for every allreduce, decompresses and stores the averages.
+   may have one) in one batch, waits for every allreduce, decompresses and stores
+   the averages.
+
+When to start (``MPITRAIN_GRAD_BATCH_BYTES``, :func:`grad_batch_bytes`): Horovod
+starts each allreduce as soon as its gradient is final (``batch_bytes`` 0), which
+overlaps the communication with the rest of backward where the communication does
+not need the cores that backward is using: device gradients, or a network between
+nodes. Between the ranks of one node, host gradients are reduced by copies through
+shared memory, which the engine's thread does on the CPU. Where a rank has no core
+beyond its compute threads, that thread and backward take turns on one core, and each
+negotiation cycle waits until the operating system happens to run every rank's
+engine thread at once. There the reducer holds final gradients until 8 MiB are
+waiting: a model of many small tensors then pays for one cycle and one fused
+collective per step (in ``synchronize()``, on the caller's thread), while gradients
+of several MiB still start during backward.
 
 Scaling follows Horovod: with ``op=Average`` and ``gradient_predivide_factor=f``
 each rank's gradient is multiplied by ``1/f`` before the sum and the sum by
@@ -24,10 +40,12 @@ each rank's gradient is multiplied by ``1/f`` before the sum and the sum by
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
+from .. import config
 from ..communicator import Communicator
 from ..errors import ArgumentError
 from ..ops import ReduceOp, parse_op
@@ -50,6 +68,9 @@ class GradientBridge(Protocol[P_contra]):
 
     def assign(self, param: P_contra, value: Any) -> None:
         """Store ``value`` as ``param``'s gradient (no-op when it already is)."""
+
+    def nbytes(self, param: P_contra) -> int:
+        """The size of ``param``'s gradient in bytes (that of ``param``)."""
 
 
 @dataclass
@@ -95,6 +116,37 @@ def build_groups(params: Sequence[P], groups: Any) -> list[list[P]]:
     return result
 
 
+def cores_per_rank(local_size: int) -> float:
+    """The cores one of ``local_size`` ranks of this node may run on: its affinity mask
+    where it is bound (the mask is smaller than the machine), else an equal share of
+    the machine's cores."""
+    total = os.cpu_count() or 1
+    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    return float(mask) if mask < total else total / max(local_size, 1)
+
+
+SHARED_CORE_BATCH_BYTES = 8 << 20
+"""``auto``'s :func:`grad_batch_bytes` where the engine's thread has no core of its own:
+on the 2-core host, 2 MiB already cost a ConvNet step as much as starting every
+gradient at once, 8 MiB cost nothing on it and started an MLP's 14.7 MB gradients
+during backward (docs/benchmarks.md)."""
+
+
+def grad_batch_bytes(comm: Communicator, host: bool, compute_threads: int = 1) -> int:
+    """How many bytes of final gradients a reducer holds before starting their
+    allreduces (see the module text): ``MPITRAIN_GRAD_BATCH_BYTES`` if it is a size;
+    ``auto`` (the default): 0 unless the gradients are ``host`` arrays, every rank is on
+    one node, and a rank has no more cores (:func:`cores_per_rank`) than its
+    ``compute_threads``, where it is :data:`SHARED_CORE_BATCH_BYTES`.
+    """
+    setting = config.GRAD_BATCH_BYTES.get()
+    if setting is not None:
+        return setting
+    if not host or comm.cross_size > 1 or cores_per_rank(comm.local_size) > compute_threads:
+        return 0
+    return SHARED_CORE_BATCH_BYTES
+
+
 class GradientReducer(Generic[P]):
     """Averages the gradients of named parameters over all ranks, asynchronously.
 
@@ -109,12 +161,20 @@ class GradientReducer(Generic[P]):
         gradient_predivide_factor: split Average's ``1/size`` into ``1/f`` before and
             ``f/size`` after the sum (only with ``op=Average``).
         groups: ``None``, a group count, or lists of parameters reduced together.
+        host: the gradients are host (numpy, CPU) arrays; with ``compute_threads``
+            (the threads computing them), decides :attr:`batch_bytes`.
+
+    Attributes:
+        batch_bytes: final gradients are held until this many bytes are waiting, then
+            their allreduces start together (0: each group's as soon as it is final):
+            :func:`grad_batch_bytes`, decided when the reducer is built.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, P]], bridge: GradientBridge[P], *,
                  comm: Communicator | None = None, compression: Any = Compression.none,
                  op: Any = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
-                 gradient_predivide_factor: float = 1.0, groups: Any = None) -> None:
+                 gradient_predivide_factor: float = 1.0, groups: Any = None,
+                 host: bool = True, compute_threads: int = 1) -> None:
         self.op = parse_op(op)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ArgumentError(f"backward_passes_per_step={backward_passes_per_step!r} must "
@@ -130,6 +190,9 @@ class GradientReducer(Generic[P]):
         if dups:
             raise ArgumentError(f"parameter names must be unique; duplicates: {', '.join(dups)}")
         self.comm = resolve(comm)
+        self.batch_bytes = grad_batch_bytes(self.comm, host, compute_threads)
+        self._waiting: list[int] = []  # final groups not submitted yet
+        self._waiting_bytes = 0
         self.bridge = bridge
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -139,6 +202,7 @@ class GradientReducer(Generic[P]):
         self._names = {id(p): name for name, p in named_params}
         self.groups = build_groups(self.params, groups)
         self._group_of = {id(p): g for g, group in enumerate(self.groups) for p in group}
+        self._group_bytes = [sum(bridge.nbytes(p) for p in group) for group in self.groups]
         self._delay = {id(p): backward_passes_per_step for p in self.params}
         self._final: dict[int, int] = {}  # group -> number of final gradients
         self._submitted: dict[int, Submitted] = {}
@@ -162,15 +226,21 @@ class GradientReducer(Generic[P]):
             g = self._group_of[key]
             self._final[g] = self._final.get(g, 0) + 1
             if self._final[g] == len(self.groups[g]):
-                self._submit(g)
+                if not self.batch_bytes:
+                    self._submit(g)
+                    return
+                self._waiting.append(g)
+                self._waiting_bytes += self._group_bytes[g]
+                if self._waiting_bytes >= self.batch_bytes:
+                    self._submit_batch(self._waiting)
+                    self._waiting = []
+                    self._waiting_bytes = 0
 
     def synchronize(self) -> None:
         """Submit what is left, wait for every allreduce and store the averaged gradients."""
         error: BaseException | None = None
         try:
-            for g in range(len(self.groups)):
-                if g not in self._submitted:
-                    self._submit(g)
+            self._submit_batch([g for g in range(len(self.groups)) if g not in self._submitted])
         finally:
             # Wait for every group, even after a failure, so that no name stays in flight.
             for sub in self._submitted.values():
@@ -197,12 +267,23 @@ class GradientReducer(Generic[P]):
     def _reset(self) -> None:
         self._submitted.clear()
         self._final.clear()
+        self._waiting = []
+        self._waiting_bytes = 0
         for key in self._delay:
             self._delay[key] = self.backward_passes_per_step
 
     def _group_name(self, group: list[P]) -> str:
         first = self._names[id(group[0])]
         return first if len(group) == 1 else f"group[{len(group)}].{first}"
+
+    def _submit_batch(self, gs: list[int]) -> None:
+        """Submit groups ``gs`` so that they reach one engine cycle together."""
+        if len(gs) == 1:
+            self._submit(gs[0])
+        elif gs:
+            with self.comm.batch():
+                for g in gs:
+                    self._submit(g)
 
     def _submit(self, g: int) -> None:
         group = self.groups[g]

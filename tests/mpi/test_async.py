@@ -320,6 +320,50 @@ def test_small_operations_are_fused(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_batch_reaches_one_cycle(comm: mt.Communicator) -> None:
+    """Submissions inside comm.batch() are negotiated in one cycle and fused, although
+    the ranks pause inside the block (releasing the GIL: without the batch, the
+    engine's thread starts a cycle with what it has): the counters move by one cycle."""
+    comm.allreduce_async(np.zeros(1)).wait()  # the engine runs, idle
+    before = comm.async_stats()
+    xs = [crafted(comm.rank + i, 300 + i, "float32", mt.Sum) for i in range(12)]
+    with comm.batch():
+        handles = []
+        for i, x in enumerate(xs):
+            handles.append(comm.allreduce_async(x, name=f"batch/{i}"))
+            if i == 3:
+                time.sleep(0.02 * (comm.rank + 1))
+    results = [h.wait() for h in handles]
+    after = comm.async_stats()
+    assert_all_ranks(comm, after.cycles - before.cycles == 1,
+                     f"a batch of 12 took {after.cycles - before.cycles} cycles")
+    assert_all_ranks(comm, after.collectives - before.collectives == 1,
+                     f"{after.collectives - before.collectives} collectives for one bucket")
+    for i, y in enumerate(results):
+        want = sum(crafted(r + i, 300 + i, "float32", mt.Sum) for r in range(comm.size))
+        assert_equal_all_ranks(comm, y, want, f"batched #{i}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_waiting_inside_a_batch_runs_the_cycle(comm: mt.Communicator) -> None:
+    """A wait inside the block does not hang: the waiting caller takes what the batch
+    holds. Nested blocks release the submissions when the outer one ends."""
+    with comm.batch():
+        first = comm.allreduce_async(np.full(3, comm.rank + 1.0), name="inside/0")
+        assert_equal_all_ranks(comm, first.wait(), np.full(3, comm.size * (comm.size + 1) / 2),
+                               "waited inside")
+        with comm.batch():
+            second = comm.allreduce_async(np.full(2, 1, np.int32), name="inside/1")
+        later = comm.allreduce_async(np.full(2, 2, np.int32), name="inside/2")
+    deadline = time.monotonic() + 60
+    while not (second.test() and later.test()):  # the engine's thread runs them
+        assert time.monotonic() < deadline, "the batch's submissions never ran"
+        time.sleep(0.001)
+    assert_equal_all_ranks(comm, second.wait(), np.full(2, comm.size, np.int32), "nested")
+    assert_equal_all_ranks(comm, later.wait(), np.full(2, 2 * comm.size, np.int32), "after")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_unnamed_runs_cut_differently_per_rank(comm: mt.Communicator) -> None:
     """Unnamed submissions are announced as runs (one item per burst of one spec). Here
     rank 0 submits everything in one burst while the other ranks pause inside it, so

@@ -69,9 +69,13 @@ def hvd_comm() -> Any:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("batch", ["0", "200", "auto"])
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_equivalence_with_one_big_batch(kind: str, passes: int) -> None:
+def test_equivalence_with_one_big_batch(kind: str, passes: int, batch: str,
+                                        env: pytest.MonkeyPatch) -> None:
+    """Each gradient started at once (0), some held (200 bytes), the host's rule."""
+    env.setenv("MPITRAIN_GRAD_BATCH_BYTES", batch)
     model = make_model(seed=hvd.rank())  # differ on purpose: the broadcast fixes them
     opt = hvd.DistributedOptimizer(make_optimizer(kind, model.parameters()),
                                    named_parameters=model.named_parameters(),
@@ -112,8 +116,10 @@ class WaitForAllreduce(torch.autograd.Function):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_allreduces_run_while_backward_runs() -> None:
-    """The last layer's gradients are averaged before backward reaches the first layer."""
+def test_allreduces_run_while_backward_runs(env: pytest.MonkeyPatch) -> None:
+    """The last layer's gradients are averaged before backward reaches the first layer
+    (where each gradient starts at once: MPITRAIN_GRAD_BATCH_BYTES=0)."""
+    env.setenv("MPITRAIN_GRAD_BATCH_BYTES", "0")
     first, last = torch.nn.Linear(4, 8).double(), torch.nn.Linear(8, 2).double()
     params = [("first.weight", first.weight), ("first.bias", first.bias),
               ("last.weight", last.weight), ("last.bias", last.bias)]
@@ -133,6 +139,82 @@ def test_allreduces_run_while_backward_runs() -> None:
                      "the last layer's allreduces must finish before the first layer's "
                      "gradients exist")
     opt.step()
+
+
+def chain(widths: list[int]) -> Any:
+    """Linear layers without biases: backward makes their gradients last layer first."""
+    torch.manual_seed(5)
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False).double()
+                                 for a, b in zip(widths, widths[1:])])
+
+
+def chain_step(model: Any, opt: Any) -> list[str]:
+    """One step on rank-dependent data; the names in flight when backward ended."""
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 7 + hvd.rank()
+    model(x).pow(2).sum().backward()
+    started = sorted(opt.reducer.handles())
+    opt.step()
+    return started
+
+
+def chain_reference(widths: list[int]) -> list[Any]:
+    model = chain(widths)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for r in range(hvd.size()):
+        x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 7 + r
+        (model(x).pow(2).sum() / hvd.size()).backward()
+    opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_held_gradients_start_in_batches(env: pytest.MonkeyPatch) -> None:
+    """With MPITRAIN_GRAD_BATCH_BYTES=500, final gradients wait until 500 bytes are
+    ready. Backward makes the last layer's 336 bytes (they wait), the middle one's 560
+    (both start, one batch), then the first one's 160 (they wait for step(), a second
+    batch); every rank ends with the average of all ranks' gradients."""
+    env.setenv("MPITRAIN_GRAD_BATCH_BYTES", "500")
+    widths = [4, 5, 14, 3]
+    model = chain(widths)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    assert opt.reducer.batch_bytes == 500
+    assert [p.numel() * 8 for p in model.parameters()] == [160, 560, 336]
+    comm = hvd_comm()
+    comm.allreduce_async(np.zeros(1)).wait()  # the engine runs
+    before = comm.async_stats()
+    started = chain_step(model, opt)
+    cycles = comm.async_stats().cycles - before.cycles
+    assert_all_ranks(comm, started == ["grad.1.weight", "grad.2.weight"],
+                     f"expected the two last layers' gradients in flight, got {started}")
+    # the engine may not have run the first batch yet when step() submits the second:
+    # then one cycle takes both
+    assert_all_ranks(comm, cycles <= 2, f"two batches took {cycles} cycles")
+    assert_close_all_ranks([p.detach() for p in model.parameters()], chain_reference(widths),
+                           1e-12, "one batch in backward, one at step()")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_whole_step_in_one_batch(env: pytest.MonkeyPatch) -> None:
+    """A threshold above the model's size: nothing starts during backward, and step()
+    runs every gradient's allreduce in one engine cycle and one collective."""
+    env.setenv("MPITRAIN_GRAD_BATCH_BYTES", "1G")
+    widths = [4, 5, 7, 3]
+    model = chain(widths)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    comm = hvd_comm()
+    comm.allreduce_async(np.zeros(1)).wait()  # the engine runs
+    before = comm.async_stats()
+    started = chain_step(model, opt)
+    after = comm.async_stats()
+    assert_all_ranks(comm, started == [], f"{started} started during backward")
+    assert_all_ranks(comm, (after.cycles - before.cycles, after.collectives -
+                            before.collectives) == (1, 1),
+                     f"{after.cycles - before.cycles} cycles, "
+                     f"{after.collectives - before.collectives} collectives for one step")
+    assert_close_all_ranks([p.detach() for p in model.parameters()], chain_reference(widths),
+                           1e-12, "one batch")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -115,3 +116,21 @@ def test_command_line_shows_how_idle_ranks_wait(monkeypatch: pytest.MonkeyPatch)
     assert "mpirun --mca mpi_yield_when_idle 1 -np 4 python -m benchmarks train" \
         in common.command_line(["train"], 4)
     assert common.idle_wait() == "yield"
+
+
+def test_the_report_bounds_ddp_over_impl_by_the_one_rank_step() -> None:
+    """With free communication a step takes the one-rank step (times ranks / cores when
+    the ranks outnumber the cores): DDP's step over that is the highest ddp/impl."""
+    from benchmarks import report
+
+    def doc(ranks: int) -> dict[str, Any]:
+        rows = [("1 rank", 20.0), ("mpitrain", 24.0), ("ddp", 30.0)]
+        return {"machine": {"ranks": ranks, "cpus": 2}, "command": "c",
+                "settings": {"compression": "none", "batch": 32, "rounds": 3, "steps": 10},
+                "results": [{"model": "m", "impl": i, "step_ms": t, "params": 1e6,
+                             "tensors": 4, "samples_per_s": 1.0, "scaling": 1.0,
+                             "difference": 0.0, "ok": True} for i, t in rows]}
+
+    assert report.scaling_bounds(doc(2)) == {"m": 1.5}
+    assert report.scaling_bounds(doc(4)) == {"m": 0.75}
+    assert report.scaling_bounds({**doc(2), "results": doc(2)["results"][1:]}) == {}
