@@ -63,12 +63,13 @@ class TensorBridge:
         return param.numel() * param.element_size()
 
     def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the averaged gradient in ``p.grad`` (in place when layouts agree)."""
+        """Store the averaged gradient in ``p.grad``, as ``p``'s dtype (in place when
+        layouts agree: one converting copy)."""
         g = param.grad
         if value is g:
             return
         if g is None or g.is_sparse or value.is_sparse:
-            param.grad = value
+            param.grad = value if value.dtype == param.dtype else value.to(param.dtype)
         else:
             g.copy_(value)
 

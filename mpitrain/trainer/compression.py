@@ -57,7 +57,16 @@ def _cast(x: Any, dtype_name: str) -> Any:
 
 
 class Compressor:
-    """The compressor interface (also the base class of the built-in ones)."""
+    """The compressor interface (also the base class of the built-in ones).
+
+    Attributes:
+        casts: :meth:`decompress` only converts the reduced value back to the dtype of
+            the value given to :meth:`compress` (the built-in casts); the optimizers
+            then store a reduced gradient with one converting copy into the gradient
+            instead of a new array and a copy. False for others (the default).
+    """
+
+    casts = False
 
     @staticmethod
     def compress(tensor: Any) -> tuple[Any, Any]:
@@ -88,6 +97,7 @@ class _CastCompressor(Compressor):
     """Cast floating-point values to ``wire_dtype`` for the trip, and back."""
 
     wire_dtype = ""
+    casts = True
 
     @classmethod
     def compress(cls, tensor: Any) -> tuple[Any, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import NUMPY
 from ..communicator import Communicator
 from ..errors import UnsupportedError
 from ..ops import ReduceOp, parse_op
@@ -35,9 +36,15 @@ class ArrayBridge:
         return int(param.data.nbytes)
 
     def assign(self, param: Any, value: Any) -> None:
-        """Copy ``value`` into ``param.grad`` (keeping the array) unless it is that array."""
-        if value is not param.grad:
-            param.grad[...] = value
+        """Copy ``value`` into ``param.grad`` (keeping the array, converting to its dtype)
+        unless it is that array."""
+        grad = param.grad
+        if value is grad:
+            return
+        if isinstance(grad, np.ndarray) and value.dtype != grad.dtype:
+            NUMPY.cast_into(grad, value)  # float16/bfloat16 in the compiled converter
+        else:
+            grad[...] = value
 
 
 class DistributedOptimizer(DistributedOptimizerBase):

@@ -17,7 +17,8 @@ Life of one step, per parameter ``p``:
 2. ``synchronize()`` (called by ``step()``) submits the groups that were not
    submitted yet (a parameter without gradient contributes zeros, as other ranks
    may have one) in one batch, waits for every allreduce, decompresses and stores
-   the averages.
+   the averages (a built-in compressor's cast back is the converting copy into the
+   gradient: :attr:`~mpitrain.trainer.compression.Compressor.casts`).
 
 When to start (``MPITRAIN_GRAD_BATCH_BYTES``, :func:`grad_batch_bytes`): Horovod
 starts each allreduce as soon as its gradient is final (``batch_bytes`` 0), which
@@ -67,7 +68,8 @@ class GradientBridge(Protocol[P_contra]):
         """A zero-copy array view of ``value`` that the comm layer accepts."""
 
     def assign(self, param: P_contra, value: Any) -> None:
-        """Store ``value`` as ``param``'s gradient (no-op when it already is)."""
+        """Store ``value`` as ``param``'s gradient, converted to the gradient's dtype
+        (no-op when it already is the gradient)."""
 
     def nbytes(self, param: P_contra) -> int:
         """The size of ``param``'s gradient in bytes (that of ``param``)."""
@@ -195,6 +197,7 @@ class GradientReducer(Generic[P]):
         self._waiting_bytes = 0
         self.bridge = bridge
         self.compression = compression
+        self._folds = bool(getattr(compression, "casts", False))
         self.backward_passes_per_step = backward_passes_per_step
         self.prescale = 1.0 / gradient_predivide_factor
         self.postscale = gradient_predivide_factor
@@ -246,7 +249,9 @@ class GradientReducer(Generic[P]):
             for sub in self._submitted.values():
                 try:
                     for p, value, ctx in zip(sub.params, sub.collect(), sub.ctxs):
-                        self.bridge.assign(p, self.compression.decompress(value, ctx))
+                        # a cast back is folded into the copy that stores the value
+                        self.bridge.assign(p, value if self._folds else
+                                           self.compression.decompress(value, ctx))
                 except Exception as exc:
                     error = error or exc
             self._reset()

@@ -268,6 +268,58 @@ def test_options_groups_compression_predivide() -> None:
         assert all(p.grad.dtype == torch.float64 for p in model.parameters())
 
 
+class HalvingCompressor(hvd.Compression.none):
+    """A user's compressor that is not a plain cast: halves on the way out, doubles on
+    the way back, so a reducer that skipped decompress would leave half the average."""
+
+    calls = 0
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor * 0.5, "halved"
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        assert ctx == "halved"
+        HalvingCompressor.calls += 1
+        return tensor * 2.0
+
+
+class CountedFP16(hvd.Compression.fp16):
+    """The built-in float16 cast, counting decompress calls."""
+
+    calls = 0
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        CountedFP16.calls += 1
+        return hvd.Compression.fp16.decompress(tensor, ctx)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("compression", [HalvingCompressor, CountedFP16])
+def test_reduced_gradients_are_stored_through_the_compressor(compression: Any) -> None:
+    """A compressor's decompress runs unless it is a built-in cast (casts=True), whose
+    cast back is the converting copy into p.grad: float64 gradients either way, equal
+    to the reference."""
+    widths = [4, 5, 7, 3]
+    model = chain(widths)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    compression.calls = 0
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 7 + hvd.rank()
+    model(x).pow(2).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    opt.step()
+    assert [p.grad.dtype for p in model.parameters()] == [torch.float64] * 3
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # stored in place
+    assert compression.calls == (3 if compression is HalvingCompressor else 0)
+    rtol = 1e-12 if compression is HalvingCompressor else 1e-3
+    assert_close_all_ranks([p.detach() for p in model.parameters()], chain_reference(widths),
+                           rtol, compression.__name__)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_gradients(sparse_as_dense: bool) -> None:
