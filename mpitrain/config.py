@@ -228,6 +228,7 @@ LOG_LEVEL = Setting("MPITRAIN_LOG_LEVEL",
                     "Level of the 'mpitrain' logger; when set, its lines go to stderr "
                     "prefixed with the rank (unset: Python's logging configuration).")
 
+
 def _parse_auto_size(text: str) -> int | None:
     """``auto`` (None) or a byte count as :func:`_parse_size` reads it."""
     return None if text.strip().lower() == "auto" else _parse_size(text)
@@ -239,6 +240,7 @@ GRAD_BATCH_BYTES: Setting[int | None] = Setting(
     "start their allreduces together (0: each as soon as it is final, as Horovod); unset "
     "or auto: 0, or 8M where host gradients are reduced on one node and no core is "
     "spare for the async engine's thread.")
+
 
 ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
     value for value in list(globals().values()) if isinstance(value, Setting))

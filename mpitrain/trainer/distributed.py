@@ -65,7 +65,9 @@ class DistributedOptimizer(DistributedOptimizerBase):
 
     Call :meth:`grad_ready` with each parameter as soon as its gradient is computed
     (last layer first) to overlap the allreduces with the rest of the backward pass;
-    ``step()`` starts whatever was not started and waits for all of them.
+    ``step()`` starts whatever was not started and waits for all of them. Where the
+    async engine's thread has no core of its own, final gradients wait until 8 MiB of
+    them are ready (``optimizer.reducer.batch_bytes``, ``MPITRAIN_GRAD_BATCH_BYTES``).
     """
 
     def __init__(self, optimizer: Any, compression: Any = Compression.none,

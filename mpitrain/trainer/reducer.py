@@ -128,10 +128,11 @@ def cores_per_rank(local_size: int) -> float:
 
 
 SHARED_CORE_BATCH_BYTES = 8 << 20
-"""``auto``'s :func:`grad_batch_bytes` where the engine's thread has no core of its own:
-on the 2-core host, 2 MiB already cost a ConvNet step as much as starting every
-gradient at once, 8 MiB cost nothing on it and started an MLP's 14.7 MB gradients
-during backward (docs/benchmarks.md)."""
+"""``auto``'s :func:`grad_batch_bytes` where the engine's thread has no core of its own.
+On the 2-core host a 2 MiB threshold made a ConvNet step (41 gradients, 6.2 MB) as
+slow as starting every gradient at once; 8 MiB kept all of its gradients for one
+batch in ``step()`` and still started each of an MLP's 14.7 MB gradients during
+backward (docs/benchmarks.md, "Gradient batches on shared cores")."""
 
 
 def grad_batch_bytes(comm: Communicator, host: bool, compute_threads: int = 1) -> int:
