@@ -37,6 +37,10 @@
  * multiply. MIN and MAX pick the operands' bits as numpy's minimum and maximum do.
  * float16 converts with the F16C instructions where the processor has them (checked
  * once at import), else with portable bit manipulation that the compiler vectorizes.
+ * Sums, products and scalings run in one pass where the processor allows (F16C for
+ * float16, AVX2 for bfloat16): eight elements widened, combined, scaled and narrowed
+ * in registers, with the same instructions and roundings as the blocks, so with the
+ * same bits; MIN, MAX and the last few elements go through the blocks.
  * They return False without writing when the buffers are not C-contiguous arrays of
  * 2-byte items (4-byte float32 on one side of convert16) of equal length, or dst is
  * read-only.
@@ -267,6 +271,101 @@ __attribute__((target("avx,f16c"))) static void narrow_half_f16c(uint16_t *out,
 static widen_fn widen_of[2] = {widen_half, widen_bfloat};
 static narrow_fn narrow_of[2] = {narrow_half, narrow_bfloat};
 
+/* One pass over the arrays, eight elements in registers at a time: dst = (a <op> b) *
+ * factor for SUM and PRODUCT, or dst = a * factor when b is NULL. Each group of eight is
+ * loaded before it is stored, so dst may be a or b. The rounding steps are those of
+ * reduce_blocks, with the same instructions, so the results are its bits. Returns how
+ * many leading elements it wrote (a multiple of eight, or 0 for MIN and MAX); the
+ * caller finishes the rest. NULL where the processor lacks the instructions. */
+typedef Py_ssize_t (*fused_fn)(uint16_t *dst, const uint16_t *a, const uint16_t *b,
+                               Py_ssize_t n, int op, float factor);
+static fused_fn fused_of[2] = {NULL, NULL};
+
+#ifdef HAVE_X86
+#define LOAD8(p) _mm_loadu_si128((const __m128i *)(p))
+#define STORE8(p, v) _mm_storeu_si128((__m128i *)(p), (v))
+
+/* The loops of a fused_fn, for a type whose eight elements WIDEN from an __m128i to an
+ * __m256 of float32 and NARROW back. */
+#define FUSED_LOOPS(WIDEN, NARROW)                                                        \
+    Py_ssize_t i = 0;                                                                     \
+    const __m256 f = _mm256_set1_ps(factor);                                              \
+    if (b == NULL) {                                                                      \
+        for (; i + 8 <= n; i += 8)                                                        \
+            STORE8(dst + i, NARROW(_mm256_mul_ps(WIDEN(LOAD8(a + i)), f)));                \
+    } else if (op == OP_SUM && factor == 1.0f) {                                          \
+        for (; i + 8 <= n; i += 8)                                                        \
+            STORE8(dst + i, NARROW(_mm256_add_ps(WIDEN(LOAD8(a + i)),                      \
+                                                 WIDEN(LOAD8(b + i)))));                   \
+    } else if (op == OP_PRODUCT && factor == 1.0f) {                                      \
+        for (; i + 8 <= n; i += 8)                                                        \
+            STORE8(dst + i, NARROW(_mm256_mul_ps(WIDEN(LOAD8(a + i)),                      \
+                                                 WIDEN(LOAD8(b + i)))));                   \
+    } else if (op == OP_SUM) { /* round the reduction, then scale */                      \
+        for (; i + 8 <= n; i += 8) {                                                      \
+            __m256 x = _mm256_add_ps(WIDEN(LOAD8(a + i)), WIDEN(LOAD8(b + i)));           \
+            STORE8(dst + i, NARROW(_mm256_mul_ps(WIDEN(NARROW(x)), f)));                  \
+        }                                                                                 \
+    } else if (op == OP_PRODUCT) {                                                        \
+        for (; i + 8 <= n; i += 8) {                                                      \
+            __m256 x = _mm256_mul_ps(WIDEN(LOAD8(a + i)), WIDEN(LOAD8(b + i)));           \
+            STORE8(dst + i, NARROW(_mm256_mul_ps(WIDEN(NARROW(x)), f)));                  \
+        }                                                                                 \
+    }                                                                                     \
+    return i;
+
+#define F16C_TARGET __attribute__((target("avx,f16c")))
+#define AVX2_TARGET __attribute__((target("avx2")))
+
+static inline F16C_TARGET __m256 widen8_half(__m128i h) { return _mm256_cvtph_ps(h); }
+
+static inline F16C_TARGET __m128i narrow8_half(__m256 x) {
+    return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
+static F16C_TARGET Py_ssize_t fused_half_f16c(uint16_t *dst, const uint16_t *a,
+                                              const uint16_t *b, Py_ssize_t n, int op,
+                                              float factor) {
+    FUSED_LOOPS(widen8_half, narrow8_half)
+}
+
+static inline AVX2_TARGET __m256 widen8_bfloat(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* float_to_bfloat on eight lanes, then the low halves of the lanes packed in order. */
+static inline AVX2_TARGET __m128i narrow8_bfloat(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i high = _mm256_srli_epi32(u, 16);
+    __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                        _mm256_set1_epi32(0x7f800000));
+    __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    __m256i quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    __m256i r = _mm256_blendv_epi8(rounded, quiet, is_nan);
+    /* packus works per 128-bit lane: lane 0 holds elements 0-3 twice, lane 1 4-7 twice */
+    __m256i packed = _mm256_packus_epi32(r, r);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+static AVX2_TARGET Py_ssize_t fused_bfloat_avx2(uint16_t *dst, const uint16_t *a,
+                                                const uint16_t *b, Py_ssize_t n, int op,
+                                                float factor) {
+    FUSED_LOOPS(widen8_bfloat, narrow8_bfloat)
+}
+
+/* The conversions and fused loops this processor can run (simd 0: the portable ones). */
+static void choose_simd(int simd) {
+    int f16c = simd && __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    widen_of[KIND_FLOAT16] = f16c ? widen_half_f16c : widen_half;
+    narrow_of[KIND_FLOAT16] = f16c ? narrow_half_f16c : narrow_half;
+    fused_of[KIND_FLOAT16] = f16c ? fused_half_f16c : NULL;
+    fused_of[KIND_BFLOAT16] = simd && __builtin_cpu_supports("avx2") ? fused_bfloat_avx2
+                                                                      : NULL;
+}
+#endif
+
 /* x = x <op> y; NaN wins in MIN and MAX (numpy's minimum and maximum). */
 VECTOR_CLONES static void combine(float *restrict x, const float *restrict y, Py_ssize_t n, int op) {
     Py_ssize_t i;
@@ -317,7 +416,10 @@ static void reduce_blocks(uint16_t *dst, const uint16_t *a, const uint16_t *b,
     widen_fn widen = widen_of[kind];
     narrow_fn narrow = narrow_of[kind];
     int picks = b != NULL && factor == 1.0f && (op == OP_MIN || op == OP_MAX);
-    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+    Py_ssize_t start = 0;
+    if (fused_of[kind] != NULL)
+        start = fused_of[kind](dst, a, b, n, op, factor);
+    for (; start < n; start += BLOCK) {
         Py_ssize_t m = n - start < BLOCK ? n - start : BLOCK;
         widen(x, a + start, m);
         if (picks) {
@@ -500,26 +602,17 @@ static PyObject *allow_peers(PyObject *self, PyObject *unused) {
 #endif
 }
 
-/* Test hook: convert float16 with F16C (1) or the portable code (0); returns whether F16C
- * was in use. Asking for F16C where the processor lacks it is a ValueError. */
-static PyObject *use_f16c(PyObject *self, PyObject *arg) {
+/* Test hook: reduce and convert 16-bit floats with the processor's SIMD instructions
+ * (1: F16C and AVX2 where it has them) or with the portable code (0); returns whether
+ * any SIMD path was in use. */
+static PyObject *use_simd(PyObject *self, PyObject *arg) {
     (void)self;
     int want = PyObject_IsTrue(arg);
     if (want < 0)
         return NULL;
-    int was = widen_of[KIND_FLOAT16] != widen_half;
+    int was = widen_of[KIND_FLOAT16] != widen_half || fused_of[KIND_BFLOAT16] != NULL;
 #ifdef HAVE_X86
-    if (want && !(__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"))) {
-        PyErr_SetString(PyExc_ValueError, "this processor has no F16C instructions");
-        return NULL;
-    }
-    widen_of[KIND_FLOAT16] = want ? widen_half_f16c : widen_half;
-    narrow_of[KIND_FLOAT16] = want ? narrow_half_f16c : narrow_half;
-#else
-    if (want) {
-        PyErr_SetString(PyExc_ValueError, "F16C is an x86 instruction set");
-        return NULL;
-    }
+    choose_simd(want);
 #endif
     return PyBool_FromLong(was);
 }
@@ -549,9 +642,10 @@ static PyMethodDef methods[] = {
     {"allow_peers", allow_peers, METH_NOARGS,
      "allow_peers() -> bool: prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY), which lets the "
      "user's other processes read this one's memory under Yama's ptrace_scope 1."},
-    {"use_f16c", use_f16c, METH_O,
-     "use_f16c(flag) -> bool: convert float16 with F16C or with the portable code (a "
-     "test hook); returns whether F16C was in use."},
+    {"use_simd", use_simd, METH_O,
+     "use_simd(flag) -> bool: reduce and convert 16-bit floats with F16C/AVX2 where the "
+     "processor has them, or with the portable code (a test hook); returns whether a "
+     "SIMD path was in use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -564,10 +658,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__hostcopy(void) {
 #ifdef HAVE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) {
-        widen_of[KIND_FLOAT16] = widen_half_f16c;
-        narrow_of[KIND_FLOAT16] = narrow_half_f16c;
-    }
+    choose_simd(1);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -21,12 +21,14 @@ numpy computes float16 arithmetic one element at a time (about ten times slower 
 float32 of the same length) and ml_dtypes' bfloat16 is no faster. :func:`reduce16` and
 :func:`scale16` reduce and scale float16 and bfloat16 arrays in the extension: blocks
 converted to float32 (F16C where the processor has it), combined and scaled there, and
-rounded back to nearest even. The results are bit for bit numpy's (both compute in
-float32 and round once per operation; a factor is first rounded as numpy rounds a
-Python float: to float16 for float16, to float32 for bfloat16), except which NaN's
-payload a NaN + NaN keeps. They return ``False`` without writing when the extension is
-not built or the arrays do not qualify (not C-contiguous, dtypes or lengths that
-differ, a read-only destination); the caller then uses numpy.
+rounded back to nearest even; sums, products and scalings in one pass of eight elements
+at a time in registers where the processor has F16C (float16) or AVX2 (bfloat16). The
+results are bit for bit numpy's (both compute in float32 and round once per operation;
+a factor is first rounded as numpy rounds a Python float: to float16 for float16, to
+float32 for bfloat16), except which NaN's payload a NaN + NaN keeps. They return
+``False`` without writing when the extension is not built or the arrays do not qualify
+(not C-contiguous, dtypes or lengths that differ, a read-only destination); the caller
+then uses numpy.
 :func:`convert16` casts between float32 and float16/bfloat16 likewise (numpy's float16
 cast is about as slow as its arithmetic): the numpy backend's ``cast_into`` and the
 ``fp16``/``bf16`` gradient compressors use it.
@@ -96,6 +98,12 @@ def _factor(dtype: Any, factor: float) -> float:
     """``factor`` as numpy multiplies an array of ``dtype`` by a Python float: rounded to
     float16 for float16; as float32 for bfloat16 (ml_dtypes computes in float32)."""
     return float(np.float16(factor) if dtype == np.float16 else np.float32(factor))
+
+
+def reduces16(dtype: Any) -> bool:
+    """True where :func:`reduce16` reduces arrays of ``dtype`` (the extension is built
+    and ``dtype`` is float16 or bfloat16)."""
+    return _EXTENSION is not None and dtype in _KIND
 
 
 def reduce16(dst: Any, a: Any, b: Any, op: ReduceOp, factor: float = 1.0) -> bool:

@@ -62,10 +62,11 @@ def test_allreduce_million(comm: mt.Communicator) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pipeline_segments(comm: mt.Communicator, env: pytest.MonkeyPatch, algorithm: str,
                            dtype: str) -> None:
-    """Tiny segments reach the multi-segment pipeline (or stripes) with uneven chunks."""
+    """Tiny segments reach the multi-segment pipeline (or stripes) with uneven chunks;
+    Average's scaling rides the last reduction of each stripe."""
     env.setenv("MPITRAIN_SEGMENT_BYTES", "24")
     for count in (comm.size - 1, 37, 1001):
-        for op in (mt.Sum, mt.Product):
+        for op in (mt.Sum, mt.Product, mt.Average):
             x = crafted(comm.rank, count, dtype, op)
             y = comm.allreduce(x, op=op, algorithm=algorithm)
             assert_equal_all_ranks(comm, y, reference(comm.size, count, dtype, op),

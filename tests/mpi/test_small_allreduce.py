@@ -26,6 +26,7 @@ from helpers import (
 import mpitrain as mt
 from mpitrain.dispatch.dispatcher import SLOT_BYTES
 from mpitrain.dispatch.fastpath import SmallAllreduce
+from mpitrain.dtypes import BFLOAT16
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
@@ -54,6 +55,33 @@ def test_every_dtype_and_op_matches_numpy(comm: mt.Communicator, dtype: str,
         z = crafted(r, count, dtype, op)
         assert comm.allreduce_(z, op=op) is z
         assert_equal_all_ranks(comm, z, expected, f"allreduce_ n={count}")
+
+
+HALVES = ["float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("op", [mt.Sum, mt.Average, mt.Product, mt.Max],
+                         ids=lambda o: o.value)
+def test_16_bit_floats_round_as_numpy(comm: mt.Communicator, dtype: str,
+                                      op: mt.ReduceOp) -> None:
+    """Values that do not reduce exactly: the fast path's compiled 16-bit reduction
+    (hostcopy.reduce16) rounds every step as numpy's ufunc in rank order, bit for bit."""
+    n = comm.size
+    inputs = [np.random.default_rng(q).standard_normal(1001).astype(dtype) for q in range(n)]
+    ufunc = {mt.Sum: np.add, mt.Average: np.add, mt.Product: np.multiply,
+             mt.Max: np.maximum}[op]
+    expected = inputs[0]
+    for other in inputs[1:]:
+        expected = ufunc(expected, other)
+    if op is mt.Average:
+        expected = np.multiply(expected, 1.0 / n).astype(dtype)
+    x = inputs[comm.rank]
+    fast(comm, x, op)
+    got = comm.allreduce(x, op=op)
+    assert_equal_all_ranks(comm, got.view(np.uint16), expected.view(np.uint16),
+                           f"{dtype} {op.value}")
 
 
 @pytest.mark.mpi(min_size=1)
