@@ -230,12 +230,9 @@ class GradientReducer(Generic[P]):
             g = self._group_of[key]
             self._final[g] = self._final.get(g, 0) + 1
             if self._final[g] == len(self.groups[g]):
-                if not self.batch_bytes:
-                    self._submit(g)
-                    return
                 self._waiting.append(g)
                 self._waiting_bytes += self._group_bytes[g]
-                if self._waiting_bytes >= self.batch_bytes:
+                if self._waiting_bytes >= self.batch_bytes:  # 0: at once, as Horovod
                     self._submit_batch(self._waiting)
                     self._waiting = []
                     self._waiting_bytes = 0
