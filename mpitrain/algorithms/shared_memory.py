@@ -172,7 +172,7 @@ class ShmAllreduce(_ShmPlan):
             p = shm.next_parity
             if j < rounds:
                 self._stage(src, j, p)
-            shm.wait(shm.arrive())
+            shm.barrier()
             if j:
                 self._gather(out, j - 1, p ^ 1)
             if j < rounds:
@@ -257,7 +257,7 @@ class ShmReduceScatter(_ShmPlan):
                 lo, hi = stripes.bounds(c, j)
                 if c != r and hi > lo:
                     be.copy_into(stage[r][c][:hi - lo], src[lo:hi])
-            shm.wait(shm.arrive())
+            shm.barrier()
             lo, hi = stripes.bounds(r, j)
             m = hi - lo
             if not m:
@@ -308,7 +308,7 @@ class ShmAllgather(_ShmPlan):
             lo, hi = stripes.bounds(r, j)
             if hi > lo:
                 be.copy_into(self.stage[p][r][:hi - lo], block[lo - mine:hi - mine])
-            shm.wait(shm.arrive())
+            shm.barrier()
             for q in range(self.n):
                 lo, hi = stripes.bounds(q, j)
                 if q != r and hi > lo:
@@ -350,6 +350,6 @@ class ShmBroadcast(_ShmPlan):
             lo, hi = self.stripes.bounds(0, j)
             if is_root:
                 be.copy_into(self.stage[p][:hi - lo], buf[lo:hi])
-            shm.wait(shm.arrive())
+            shm.barrier()
             if not is_root:
                 be.copy_into(buf[lo:hi], self.stage[p][:hi - lo])

@@ -53,6 +53,11 @@
  *
  * vm_read loops until every byte is read and raises OSError (EPERM where the kernel
  * forbids it, ENOSYS off Linux) otherwise.
+ *
+ * And it passes the shared-memory barrier of the small calls (mpitrain/comm/shm.py)
+ * without the interpreter: Counters(words, rank, size).agree(t, fingerprint, polls)
+ * publishes the fingerprint, arrives and spins a bounded number of tests, in one call
+ * (see the type below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -602,6 +607,126 @@ static PyObject *allow_peers(PyObject *self, PyObject *unused) {
 #endif
 }
 
+/* ---- the shared-memory barrier -------------------------------------------------- */
+
+/* Counters(words, rank, size): this rank's view of the counters and fingerprints at the
+ * head of the shared window (mpitrain/comm/shm.py): int64 words, the size counters,
+ * then the size fingerprints of parity 0 and the size of parity 1.
+ *
+ *   agree(t, fingerprint, polls) -> 1, 0 or -1
+ *
+ * stores fingerprint in this rank's word of parity t % 2, arrives at barrier t (its
+ * counter = t, a release store: whatever this process stored before is visible to a
+ * rank that sees the counter) and tests up to 1 + polls times whether every counter is
+ * at least t (acquire loads: whatever a rank stored before arriving is visible after).
+ * It returns 1 when every rank has arrived and published this fingerprint, 0 when some
+ * fingerprint differs, -1 when some rank has not arrived yet (the caller waits for it,
+ * then compares). It keeps the GIL: polls bounds how long it spins. */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int64_t *words;
+    Py_ssize_t rank, size;
+} Counters;
+
+static int counters_init(Counters *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"words", "rank", "size", NULL};
+    PyObject *words;
+    Py_ssize_t rank, size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onn:Counters", names, &words, &rank, &size))
+        return -1;
+    if (self->words != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Counters is already initialized");
+        return -1;
+    }
+    if (PyObject_GetBuffer(words, &self->view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size || self->view.len < 3 * size * 8 ||
+        (uintptr_t)self->view.buf % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "Counters needs 3 * size aligned int64 words and 0 <= rank < size; got "
+                     "%zd bytes, rank %zd, size %zd", self->view.len, rank, size);
+        PyBuffer_Release(&self->view);
+        return -1;
+    }
+    self->words = self->view.buf;
+    self->rank = rank;
+    self->size = size;
+    return 0;
+}
+
+static void counters_dealloc(Counters *self) {
+    if (self->words != NULL)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline void cpu_relax(void) {
+#ifdef HAVE_X86
+    _mm_pause();
+#endif
+}
+
+static PyObject *counters_agree(Counters *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (self->words == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Counters is not initialized");
+        return NULL;
+    }
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "agree(t, fingerprint, polls) takes 3 arguments, %zd given",
+                     nargs);
+        return NULL;
+    }
+    long long t = PyLong_AsLongLong(args[0]);
+    if (t == -1 && PyErr_Occurred())
+        return NULL;
+    long long fingerprint = PyLong_AsLongLong(args[1]);
+    if (fingerprint == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t polls = PyLong_AsSsize_t(args[2]);
+    if (polls == -1 && PyErr_Occurred())
+        return NULL;
+    int64_t *counters = self->words, n = self->size;
+    int64_t *fingerprints = counters + n + (t & 1) * n;
+    fingerprints[self->rank] = fingerprint;
+    __atomic_store_n(&counters[self->rank], (int64_t)t, __ATOMIC_RELEASE);
+    for (Py_ssize_t poll = 0;; poll++) {
+        Py_ssize_t q = 0;
+        while (q < n && __atomic_load_n(&counters[q], __ATOMIC_ACQUIRE) >= t)
+            q++;
+        if (q == n)
+            break;
+        if (poll >= polls)
+            return PyLong_FromLong(-1);
+        cpu_relax();
+    }
+    for (Py_ssize_t q = 0; q < n; q++)
+        if (fingerprints[q] != fingerprint)
+            return PyLong_FromLong(0);
+    return PyLong_FromLong(1);
+}
+
+static PyMethodDef counters_methods[] = {
+    {"agree", (PyCFunction)(void (*)(void))counters_agree, METH_FASTCALL,
+     "agree(t, fingerprint, polls) -> int: publish fingerprint for barrier t, arrive at "
+     "it and test up to 1 + polls times whether every rank has: 1 if all have and agree, "
+     "0 if all have and some fingerprint differs, -1 if some rank has not arrived."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CountersType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpitrain.backends._hostcopy.Counters",
+    .tp_basicsize = sizeof(Counters),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Counters(words, rank, size): the shared-memory barrier's counters and "
+              "fingerprints (a writable buffer of 3 * size int64 words), seen by rank.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)counters_init,
+    .tp_dealloc = (destructor)counters_dealloc,
+    .tp_methods = counters_methods,
+};
+
 /* Test hook: reduce and convert 16-bit floats with the processor's SIMD instructions
  * (1: F16C and AVX2 where it has them) or with the portable code (0); returns whether
  * any SIMD path was in use. */
@@ -660,9 +785,17 @@ PyMODINIT_FUNC PyInit__hostcopy(void) {
     __builtin_cpu_init();
     choose_simd(1);
 #endif
+    if (PyType_Ready(&CountersType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    Py_INCREF(&CountersType);
+    if (PyModule_AddObject(m, "Counters", (PyObject *)&CountersType) < 0) {
+        Py_DECREF(&CountersType);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 ||
         PyModule_AddIntConstant(m, "KIND_FLOAT16", KIND_FLOAT16) < 0 ||
         PyModule_AddIntConstant(m, "KIND_BFLOAT16", KIND_BFLOAT16) < 0 ||

@@ -37,6 +37,11 @@ cast is about as slow as its arithmetic): the numpy backend's ``cast_into`` and 
 (cross-memory attach), for the single-copy collectives
 (:mod:`mpitrain.algorithms.single_copy`); :mod:`mpitrain.comm.shm` probes whether the
 ranks may.
+
+:func:`counters` passes the shared-memory barrier of the small calls
+(:meth:`mpitrain.comm.shm.SharedMemory.agree`) in one call: publish the fingerprint,
+arrive, spin a bounded number of tests and compare, where the interpreter takes
+about as long as the barrier itself for the same steps.
 """
 
 from __future__ import annotations
@@ -183,10 +188,24 @@ def allow_peers() -> bool:
     return _EXTENSION is not None and bool(_EXTENSION.allow_peers())
 
 
+def counters(words: Any, rank: int, size: int) -> Any:
+    """The extension's barrier over the shared window's counters and fingerprints
+    (``words``: a writable buffer of ``3 * size`` int64 words; :mod:`mpitrain.comm.shm`),
+    or ``None`` where the extension is not built (the window's own Python code then
+    passes the barrier).
+
+    Its ``agree(t, fingerprint, polls)`` publishes ``fingerprint`` for barrier ``t``,
+    arrives and tests up to ``1 + polls`` times whether every rank has, in one call:
+    1 if every rank has and published the same fingerprint, 0 if one differs, -1 if
+    some rank has not arrived yet (the caller waits, then compares).
+    """
+    return None if _EXTENSION is None else _EXTENSION.Counters(words, rank, size)
+
+
 def compiled() -> bool:
     """True if the C extension is built (else every copy goes through numpy)."""
     return _EXTENSION is not None
 
 
-__all__ = ["address", "allow_peers", "check", "compiled", "convert16", "gather", "read_peer",
-           "reduce16", "scale16", "scatter", "yama_scope"]
+__all__ = ["address", "allow_peers", "check", "compiled", "convert16", "counters", "gather",
+           "read_peer", "reduce16", "scale16", "scatter", "yama_scope"]

@@ -24,7 +24,18 @@ for ``t`` and before waiting for ``t + 2``. A rank that writes parity ``t % 2`` 
 was written for ``t - 2``.
 
 Stores are ordered before the counter store, and loads after the counter load, by
-``MPI_Win_sync`` (a full memory barrier in Open MPI and MPICH).
+``MPI_Win_sync`` (a full memory barrier in Open MPI and MPICH). Where the ``_hostcopy``
+extension is built, :meth:`SharedMemory.agree` and :meth:`SharedMemory.barrier` pass
+in one compiled call (:func:`~mpitrain.backends.hostcopy.counters`): the fingerprint
+store, the counter as a release store, then up to :data:`SPIN_POLLS` tests of the
+counters with acquire loads; a wait longer than that goes on in the interpreter's
+loop, which yields the core and watches for stalls. The interpreter alone took about
+as long for those steps as the barrier itself (0.75-0.84 us per ``agree`` against
+0.39 us compiled, at 2 ranks).
+
+A rank spins while it waits only if the ranks have a core each: :func:`node_cores`
+(the union of their affinity masks) is at least the rank count. Otherwise every test
+yields the core to the rank that is late.
 
 ``single_copy`` says whether the ranks may read each other's private memory with
 ``process_vm_readv`` (:mod:`mpitrain.algorithms.single_copy`). :func:`create` finds
@@ -51,6 +62,9 @@ FP, ROWS, PAYLOAD, ADDRESS = 0, 1, 2, 3
 NO_PAYLOAD = -1
 """A header's payload field when the rank left no data in its slot."""
 CACHE_LINE = 64
+SPIN_POLLS = 256
+"""Tests of the counters :meth:`SharedMemory.agree` makes in compiled code before a
+wait goes on in :meth:`SharedMemory._poll` (a few microseconds, holding the GIL)."""
 
 StallHook = Callable[[float, list[int]], None]
 yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
@@ -60,6 +74,16 @@ yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
 
 def _align(nbytes: int) -> int:
     return -(-nbytes // CACHE_LINE) * CACHE_LINE
+
+
+def node_cores(comm: MPI.Intracomm) -> int:
+    """How many cores the ranks of ``comm`` (all on one node) may run on between them:
+    the union of their affinity masks (collective). A rank that ``mpirun`` binds to
+    one core sees only that core in its own mask, so no rank alone can tell whether
+    the others share it."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    return len(set().union(*comm.allgather(mine)))
 
 
 class SharedMemory:
@@ -100,14 +124,18 @@ class SharedMemory:
         self.header_words = [memoryview(self.headers[p].reshape(-1)) for p in range(2)]
         self.win.Lock_all()
         self.sync: Callable[[], None] = self.win.Sync  # bound once: called twice per barrier
+        # The compiled barrier of agree() (None: the extension is not built), and how
+        # many more tests it makes before a wait goes on in _poll (one when oversubscribed,
+        # where _poll yields the core at once).
+        self.counters = hostcopy.counters(raw[:3 * n * 8], self.rank, n)
         if self.rank == 0:
             raw[:flags_bytes + headers_bytes] = 0
         self.win.Sync()
         comm.Barrier()
         self.win.Sync()
         self.seq = 0
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        self.oversubscribed = n > cores
+        self.oversubscribed = n > node_cores(comm)
+        self.polls = 0 if self.oversubscribed else SPIN_POLLS
         self.stall_hook: StallHook | None = None
         self.stall_seconds = 60.0
         # An object whose ``waiting`` is True while a barrier waits (the transport: the
@@ -139,8 +167,17 @@ class SharedMemory:
 
     def barrier(self) -> int:
         """Arrive at the next barrier and wait for it; returns the barrier's number."""
-        t = self.arrive()
-        self.wait(t)
+        counters = self.counters
+        if counters is None:
+            t = self.arrive()
+            self.wait(t)
+            return t
+        # the compiled agree() with a fingerprint nobody reads: barrier t's words are
+        # read only by an agree() at t
+        t = self.seq = self.seq + 1
+        if counters.agree(t, 0, self.polls) < 0:
+            self._poll(t)
+            self.sync()
         return t
 
     def agree(self, fingerprint: int) -> bool:
@@ -149,6 +186,14 @@ class SharedMemory:
         else to publish; :meth:`barrier` with one more word)."""
         t = self.seq = self.seq + 1
         fps = self.fingerprints[t & 1]
+        counters = self.counters
+        if counters is not None:
+            agreed = counters.agree(t, fingerprint, self.polls)
+            if agreed >= 0:
+                return agreed == 1
+            self._poll(t)
+            self.sync()
+            return fps.tolist().count(fingerprint) == self.size
         fps[self.rank] = fingerprint
         self.sync()
         flags = self.flags

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jobrun import NOT_STARTED
+
 ROOT = Path(__file__).resolve().parents[2]
 MPIRUN = str(Path(sys.executable).parent / "mpirun") if (Path(sys.executable).parent
                                                          / "mpirun").exists() \
@@ -36,3 +38,12 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return -1, out + "\n[killed after timeout]"
+
+
+def run(np_: int, argv: list[str], timeout: float, **env: str) -> tuple[int, str]:
+    """:func:`start` then :func:`finish`; once more if MPI's launcher failed before
+    starting any rank (:data:`jobrun.NOT_STARTED`: the job never ran)."""
+    code, out = finish(start(np_, argv, **env), timeout)
+    if NOT_STARTED in out:
+        code, out = finish(start(np_, argv, **env), timeout)
+    return code, out

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpirun import ROOT, finish, start
+from mpirun import ROOT, run, start
 
 EXAMPLES = {"numpy": "train_numpy.py", "torch": "train.py"}
 
@@ -30,8 +30,8 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     script = str(ROOT / "examples" / EXAMPLES[kind])
     ckpt, timeline = tmp_path / "ckpt", tmp_path / "timeline.json"
     args = ["--checkpoint", str(ckpt), "--batch-size", "32"]
-    code, out = finish(start(2, [sys.executable, script, "--epochs", "1", *args,
-                                 "--timeline", str(timeline)], OMP_NUM_THREADS="1"), 300)
+    code, out = run(2, [sys.executable, script, "--epochs", "1", *args,
+                        "--timeline", str(timeline)], 300, OMP_NUM_THREADS="1")
     assert code == 0, out
     assert re.search(r"epoch 1/1: \d+ steps in [\d.]+s, .* accuracy 0\.\d{4} \(averaged over "
                      r"2 rank", out), out
@@ -40,8 +40,8 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     events = json.loads(timeline.read_text())
     assert any(e.get("ph") == "X" for e in events), "the timeline recorded the allreduces"
 
-    code, out = finish(start(2, [sys.executable, script, "--epochs", "2", *args],
-                             OMP_NUM_THREADS="1"), 300)
+    code, out = run(2, [sys.executable, script, "--epochs", "2", *args], 300,
+                    OMP_NUM_THREADS="1")
     assert code == 0, out
     assert "resumed from" in out and "epoch 1 of 2" in out, out
     assert "epoch 1/2" not in out and "epoch 2/2" in out, out

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpirun import finish, start
+from mpirun import run
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "fused_loop.py")
 
@@ -21,20 +21,18 @@ JOB = str(Path(__file__).resolve().parent / "jobs" / "fused_loop.py")
 @pytest.mark.parametrize("ranks,algorithm", [(3, "ring"), (4, "ring"), (5, "ring"),
                                              (3, "auto"), (5, "auto")])
 def test_fused_loop_in_tiny_segments_without_shared_memory(ranks: int, algorithm: str) -> None:
-    proc = start(ranks, [sys.executable, JOB, "500"], MPITRAIN_SHM="0",
-                 MPITRAIN_ALGORITHM=algorithm,
-                 MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
-                 MPITRAIN_STALL_TIMEOUT_S="60")
-    code, out = finish(proc, 300)
+    code, out = run(ranks, [sys.executable, JOB, "500"], 300, MPITRAIN_SHM="0",
+                    MPITRAIN_ALGORITHM=algorithm,
+                    MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
+                    MPITRAIN_STALL_TIMEOUT_S="60")
     assert code == 0, out[-4000:]
     assert "500 steps done" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("ranks", [3, 5])
 def test_large_fused_buckets_in_tiny_segments(ranks: int) -> None:
-    proc = start(ranks, [sys.executable, JOB, "20", "2000"], MPITRAIN_SHM="0",
-                 MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
-                 MPITRAIN_STALL_TIMEOUT_S="60")
-    code, out = finish(proc, 300)
+    code, out = run(ranks, [sys.executable, JOB, "20", "2000"], 300, MPITRAIN_SHM="0",
+                    MPITRAIN_SEGMENT_BYTES="64", MPITRAIN_STALL_WARNING_S="10",
+                    MPITRAIN_STALL_TIMEOUT_S="60")
     assert code == 0, out[-4000:]
     assert "20 steps done" in out, out[-4000:]

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from mpirun import finish, start
+from mpirun import run
 
 SCRIPT = """
     import numpy as np
@@ -34,10 +34,9 @@ def test_a_job_configured_by_horovod_variables(tmp_path: Path) -> None:
     timeline = tmp_path / "timeline.json"
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    proc = start(3, [sys.executable, str(script)], HOROVOD_TIMELINE=str(timeline),
-                 HOROVOD_FUSION_THRESHOLD="4096", HOROVOD_CYCLE_TIME="2.5",
-                 HOROVOD_LOG_LEVEL="info", HOROVOD_AUTOTUNE="1")
-    code, out = finish(proc, 240)
+    code, out = run(3, [sys.executable, str(script)], 240, HOROVOD_TIMELINE=str(timeline),
+                    HOROVOD_FUSION_THRESHOLD="4096", HOROVOD_CYCLE_TIME="2.5",
+                    HOROVOD_LOG_LEVEL="info", HOROVOD_AUTOTUNE="1")
     assert code == 0, out
     assert out.count("done") == 3
     for rank in range(3):

@@ -186,3 +186,67 @@ def test_the_backend_copies_contiguous_parts_through_the_extension(
     NUMPY.scatter(dsts, rows)  # refused by the extension: numpy copies
     np.testing.assert_array_equal(np.concatenate(dsts), rows.ravel())
     assert calls == [("gather", True), ("scatter", True), ("scatter", True), ("scatter", False)]
+
+
+# -- the shared-memory barrier's counters ----------------------------------------------
+
+@built
+def test_counters_publish_arrive_and_compare() -> None:
+    """Two ranks' views of one buffer: a rank alone is told to wait (-1) with its
+    counter and fingerprint stored where the window's layout has them; the second
+    rank then finds both arrived, and a different fingerprint gives 0."""
+    words = np.zeros(3 * 2, np.int64)
+    first, second = hostcopy.counters(words, 0, 2), hostcopy.counters(words, 1, 2)
+    assert first.agree(1, 7, 0) == -1
+    # counters [0, n), then parity 0's fingerprints [n, 2n), parity 1's [2n, 3n)
+    assert words.tolist() == [1, 0, 0, 0, 7, 0]
+    assert second.agree(1, 7, 0) == 1
+    assert first.agree(1, 7, 100) == 1  # the barrier passed: it agrees too
+    assert second.agree(2, -5, 0) == -1
+    assert words.tolist() == [1, 2, 0, -5, 7, 7]
+    assert first.agree(2, 2**62, 0) == 0
+    assert second.agree(2, -5, 0) == 0
+
+
+@built
+def test_counters_refuse_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="3 \\* size"):
+        hostcopy.counters(np.zeros(5, np.int64), 0, 2)
+    with pytest.raises(ValueError, match="rank 2, size 2"):
+        hostcopy.counters(np.zeros(6, np.int64), 2, 2)
+    readonly = np.zeros(6, np.int64)
+    readonly.flags.writeable = False
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        hostcopy.counters(readonly, 0, 2)
+    counters = hostcopy.counters(np.zeros(6, np.int64), 0, 2)
+    with pytest.raises(TypeError, match="3 arguments"):
+        counters.agree(1, 2)
+    with pytest.raises(TypeError):
+        counters.agree(1, "fingerprint", 0)
+
+
+def test_counters_absent_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_EXTENSION", None)
+    assert hostcopy.counters(np.zeros(6, np.int64), 0, 2) is None
+
+
+class _Masks:
+    """A communicator whose allgather returns given affinity masks."""
+
+    def __init__(self, masks: list[list[int]]) -> None:
+        self.masks = masks
+
+    def allgather(self, mine: list[int]) -> list[list[int]]:
+        return self.masks
+
+
+@pytest.mark.parametrize("masks,cores", [
+    ([[0], [1]], 2),              # mpirun -np 2: each rank bound to its own core
+    ([[0, 1], [0, 1]], 2),        # --bind-to none on 2 cores
+    ([[0], [0]], 1),              # two ranks bound to one core
+    ([[0, 1], [0, 1], [0, 1], [0, 1]], 2),
+    ([[0, 1], [2, 3], [1, 2]], 4),
+])
+def test_node_cores_is_the_union_of_the_ranks_masks(masks: list[list[int]], cores: int) -> None:
+    from mpitrain.comm.shm import node_cores
+    assert node_cores(_Masks(masks)) == cores  # type: ignore[arg-type]
