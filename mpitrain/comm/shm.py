@@ -264,6 +264,7 @@ class SharedMemory:
 
     def free(self) -> None:
         """Release the window (collective)."""
+        self.counters = None  # its hold on the window's memory goes first
         if self.win != MPI.WIN_NULL:
             self.win.Unlock_all()
             self.win.Free()
