@@ -15,18 +15,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpirun import finish, start
+from mpirun import finish, run, start
+
+
+def job(tmp_path: Path, script: str) -> list[str]:
+    """The command that runs ``script`` (written to ``tmp_path``) with this Python."""
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(script))
+    return [sys.executable, str(path)]
 
 
 def launch(tmp_path: Path, np_: int, script: str, **env: str) -> subprocess.Popen[str]:
-    path = tmp_path / "job.py"
-    path.write_text(textwrap.dedent(script))
-    return start(np_, [sys.executable, str(path)], **env)
+    return start(np_, job(tmp_path, script), **env)
 
 
 def test_exit_without_shutdown_does_not_hang(tmp_path: Path) -> None:
     """Ops in flight at exit (one only rank 0 submitted) are settled by the atexit stop."""
-    proc = launch(tmp_path, 3, """
+    code, out = run(3, job(tmp_path, """
         import numpy as np
         import mpitrain as mt
         comm = mt.init()
@@ -35,8 +40,7 @@ def test_exit_without_shutdown_does_not_hang(tmp_path: Path) -> None:
         if comm.rank == 0:
             orphan = comm.allreduce_async(np.ones(3), name="only-rank-0")
         print("rank", comm.rank, "leaving", flush=True)
-    """)
-    code, out = finish(proc, 120)
+    """), 120)
     assert code == 0, out
     assert out.count("leaving") == 3
 
