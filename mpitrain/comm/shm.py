@@ -63,8 +63,9 @@ NO_PAYLOAD = -1
 """A header's payload field when the rank left no data in its slot."""
 CACHE_LINE = 64
 SPIN_POLLS = 256
-"""Tests of the counters :meth:`SharedMemory.agree` makes in compiled code before a
-wait goes on in :meth:`SharedMemory._poll` (a few microseconds, holding the GIL)."""
+"""Tests of the counters that :meth:`SharedMemory.agree` and :meth:`SharedMemory.barrier`
+make in compiled code before a wait goes on in :meth:`SharedMemory._poll` (about 6 us
+on the 2-core host, holding the GIL)."""
 
 StallHook = Callable[[float, list[int]], None]
 yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
@@ -124,9 +125,7 @@ class SharedMemory:
         self.header_words = [memoryview(self.headers[p].reshape(-1)) for p in range(2)]
         self.win.Lock_all()
         self.sync: Callable[[], None] = self.win.Sync  # bound once: called twice per barrier
-        # The compiled barrier of agree() (None: the extension is not built), and how
-        # many more tests it makes before a wait goes on in _poll (one when oversubscribed,
-        # where _poll yields the core at once).
+        # The compiled barrier of agree() and barrier() (None: the extension is not built).
         self.counters = hostcopy.counters(raw[:3 * n * 8], self.rank, n)
         if self.rank == 0:
             raw[:flags_bytes + headers_bytes] = 0
@@ -135,6 +134,8 @@ class SharedMemory:
         self.win.Sync()
         self.seq = 0
         self.oversubscribed = n > node_cores(comm)
+        # Tests after the first that the compiled barrier makes before a wait goes on in
+        # _poll: none when oversubscribed, where _poll yields the core at once.
         self.polls = 0 if self.oversubscribed else SPIN_POLLS
         self.stall_hook: StallHook | None = None
         self.stall_seconds = 60.0
