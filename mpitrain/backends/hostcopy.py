@@ -40,8 +40,9 @@ ranks may.
 
 :func:`counters` passes the shared-memory barrier of the small calls
 (:meth:`mpitrain.comm.shm.SharedMemory.agree`) in one call: publish the fingerprint,
-arrive, spin a bounded number of tests and compare, where the interpreter takes
-about as long as the barrier itself for the same steps.
+arrive, spin a bounded number of tests and compare: through the interpreter those
+steps cost more than the wait for the other ranks (docs/benchmarks.md, "A compiled
+barrier").
 """
 
 from __future__ import annotations

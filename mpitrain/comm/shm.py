@@ -29,9 +29,9 @@ extension is built, :meth:`SharedMemory.agree` and :meth:`SharedMemory.barrier` 
 in one compiled call (:func:`~mpitrain.backends.hostcopy.counters`): the fingerprint
 store, the counter as a release store, then up to :data:`SPIN_POLLS` tests of the
 counters with acquire loads; a wait longer than that goes on in the interpreter's
-loop, which yields the core and watches for stalls. The interpreter alone took about
-as long for those steps as the barrier itself (0.75-0.84 us per ``agree`` against
-0.39 us compiled, at 2 ranks).
+loop, which yields the core and watches for stalls. Through the interpreter, a loop of
+``agree`` took 0.80-0.85 us a call at 2 ranks, compiled 0.16-0.46 us (docs/benchmarks.md,
+"A compiled barrier").
 
 A rank spins while it waits only if the ranks have a core each: :func:`node_cores`
 (the union of their affinity masks) is at least the rank count. Otherwise every test
@@ -186,7 +186,6 @@ class SharedMemory:
         rank published the same (the validation exchange of a call that has nothing
         else to publish; :meth:`barrier` with one more word)."""
         t = self.seq = self.seq + 1
-        fps = self.fingerprints[t & 1]
         counters = self.counters
         if counters is not None:
             agreed = counters.agree(t, fingerprint, self.polls)
@@ -194,7 +193,8 @@ class SharedMemory:
                 return agreed == 1
             self._poll(t)
             self.sync()
-            return fps.tolist().count(fingerprint) == self.size
+            return self.fingerprints[t & 1].tolist().count(fingerprint) == self.size
+        fps = self.fingerprints[t & 1]
         fps[self.rank] = fingerprint
         self.sync()
         flags = self.flags
