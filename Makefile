@@ -12,6 +12,10 @@ MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
             --mca threads_pthreads_yield_strategy nanosleep --mca osc ^ucx
 RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
+# The MPI suite's per-test limits: a collective that waits 120 s for other ranks raises
+# StallError on the ranks that wait (the next test gets a new communicator), and a test
+# that runs 300 s fails (pytest-timeout), so that one hang costs one test.
+MPI_TEST_LIMITS := -x MPITRAIN_STALL_TIMEOUT_S=120
 
 # Fault injection (also part of `integration`): the bad-input and one-sided catalogue
 # (blocking, async and torch; 2-4 ranks), uncaught exceptions and exits on one rank,
@@ -46,7 +50,8 @@ unit: $(VENV)/.compiled
 test-mpi: $(VENV)/.compiled
 	for n in 1 2 3 4 5; do \
 	  echo "== MPI suite at $$n ranks"; \
-	  $(RUN) -np $$n sh tests/mpi_rank.sh $(PYTEST) --with-mpi tests/mpi || exit 1; \
+	  $(RUN) -np $$n $(MPI_TEST_LIMITS) sh tests/mpi_rank.sh $(PYTEST) --timeout=300 \
+	    --with-mpi tests/mpi || exit 1; \
 	done
 
 integration: $(VENV)/.compiled
@@ -120,7 +125,7 @@ bench: $(VENV)/.compiled
 
 # On a GPU machine: GPU tests and device-buffer benchmarks (see docs/gpu.md).
 gpu-check:
-	sh benchmarks/gpu_check.sh
+	NP=$(NP) sh benchmarks/gpu_check.sh
 
 # Style, types, and the layers: import-linter checks the contracts in pyproject.toml
 # (docs/design.md, "Layers"); tools/lint_imports.py checks for import cycles and private names

@@ -119,7 +119,7 @@ class DevicePlacement:
             name = name.decode()
         return (f"cupy {self.cupy.__version__} on {name} (GPU {self.device.id} of "
                 f"{self.count} on rank 0's node); policy {comm.cuda_policy} "
-                f"({decision().how})")
+                f"({decision(comm.settings.cuda_aware).how})")
 
     def copy_seconds(self, nbytes: int, iters: int, warmup: int) -> float:
         """Median seconds of ``cupy.copyto`` of ``nbytes`` between two device buffers."""

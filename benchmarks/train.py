@@ -1,6 +1,7 @@
 """The ``train`` case: whole training steps with ``mpitrain.torch`` against torch DDP.
 
-``python -m benchmarks train [--model mlp,convnet] [--batch 32] [--steps 10] [--rounds 3]``
+``python -m benchmarks train [--model mlp,convnet] [--batch 32] [--steps 10] [--rounds 3]
+[--device cpu|cuda]``
 
 One job trains the same torch model three ways, from the same initial parameters
 (seeded, then broadcast from rank 0) and on the same synthetic batches (a different
@@ -15,19 +16,30 @@ batch per rank and step, generated outside the timed region):
   other ranks wait in an ``Ibarrier`` that they poll with 1 ms sleeps, so they leave
   the cores to rank 0.
 
+With ``--device cuda`` every rank trains on GPU ``local_rank % count`` (ranks of a node
+share its GPUs) and there is no DDP: NCCL refuses two ranks on one GPU, and DDP over
+gloo copies every gradient through the host. mpitrain's result is checked against a
+one-process reference instead (below); ``--against reference`` asks for that check on
+the CPU too.
+
 After ``--warmup`` untimed steps of each, ``--rounds`` rounds run ``--steps`` timed steps
 of each implementation in turn (``1 rank`` first, then mpitrain and DDP, their order
 swapped every round). A step is ``zero_grad``, forward, loss, backward and
-``step()``, timed on its own with ``time.perf_counter``; the step time reported is the
-maximum over ranks of each rank's median. ``samples/s`` is ``ranks * batch / step``;
-the scaling efficiency is the one-rank step time over the step time (the per-rank
-batch is fixed: weak scaling), 1.0 for perfect scaling.
+``step()``, timed on its own with ``time.perf_counter`` (on a GPU, until the device has
+finished it); the step time reported is the maximum over ranks of each rank's median.
+``samples/s`` is ``ranks * batch / step``; the scaling efficiency is the one-rank step
+time over the step time (the per-rank batch is fixed: weak scaling), 1.0 for perfect
+scaling.
 
 Verification: mpitrain and DDP took the same steps on the same data, so their
 parameters must agree at the end. The measure is the norm of their difference over
 the norm of DDP's total update (:func:`update_difference`), max over ranks, against a
 tolerance that depends on the compression. A larger difference, or no update at all,
-is a failure: the row says ``FAILED`` and the job exits with 1.
+is a failure: the row says ``FAILED`` and the job exits with 1. With ``--against
+reference`` (the default on CUDA) the other side is a one-process reference that every
+rank trains after the timed rounds, untimed, on its own device: the same number of
+steps, each on the mean of every rank's loss on its batch of that step (the same
+batches), which is what averaging the ranks' gradients computes.
 
 Both models use SiLU, not ReLU: with ReLU's kink, the last-bit differences that a
 different summation order leaves in an average (DDP and mpitrain add the ranks'
@@ -64,7 +76,12 @@ from .common import OneRankParser, command_line, machine_info
 MODELS = ("mlp", "convnet")
 IMPLS = ("1 rank", "mpitrain", "ddp")
 TOLERANCE = {"none": 1e-4, "fp16": 2e-2}
-"""Largest accepted :func:`update_difference` per compression."""
+"""Largest accepted :func:`update_difference` per compression (on a GPU the float32
+tolerance is :data:`GPU_TOLERANCE`: cuDNN convolutions compute in TF32 by default, and
+some of its kernels add in an order of their own)."""
+GPU_TOLERANCE = {"none": 1e-3, "fp16": 2e-2}
+DEVICES = ("cpu", "cuda")
+AGAINST = ("ddp", "reference")
 
 MLP_WIDTH, MLP_LAYERS = 1920, 4
 CONV_WIDTH, CONV_IMAGE, CONV_CLASSES = 32, 16, 10
@@ -92,11 +109,23 @@ class TrainOptions:
     seed: int
     json: str | None
     perturb: float = 0.0
+    device: str = "cpu"
+    against: str = "ddp"
 
     @property
     def compression(self) -> str:
         """``fp16`` or ``none``: how gradients travel."""
         return "fp16" if self.fp16 else "none"
+
+    @property
+    def tolerance(self) -> float:
+        """The largest accepted :func:`update_difference` of this run."""
+        return (GPU_TOLERANCE if self.device == "cuda" else TOLERANCE)[self.compression]
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        """The implementations timed: no DDP when checking against the reference."""
+        return IMPLS if self.against == "ddp" else ("1 rank", "mpitrain")
 
 
 def _models(text: str) -> list[str]:
@@ -129,6 +158,12 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--seed", type=int, default=1, help="seed of parameters and data (default 1)")
     p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where every rank trains: cpu (default), or cuda (GPU local_rank %% "
+                        "count; no DDP, checked against a one-process reference)")
+    p.add_argument("--against", choices=AGAINST, default=None,
+                   help="what mpitrain's parameters are checked against: ddp (default on "
+                        "the CPU) or reference (a one-process training; the only one on CUDA)")
     # Scales mpitrain's loss on the last rank by 1 + F: the check must then fail.
     p.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -138,8 +173,12 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     if a.batch < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0:
         p.error(f"need --batch, --steps, --rounds >= 1 and --warmup >= 0, got --batch "
                 f"{a.batch} --steps {a.steps} --rounds {a.rounds} --warmup {a.warmup}")
+    against = a.against or ("reference" if a.device == "cuda" else "ddp")
+    if a.device == "cuda" and against == "ddp":
+        p.error("--device cuda runs no DDP (NCCL refuses ranks that share a GPU); use "
+                "--against reference")
     return TrainOptions(a.model, a.batch, a.steps, a.rounds, a.warmup, a.fp16, a.small, a.lr,
-                        a.momentum, a.seed, a.json, a.perturb)
+                        a.momentum, a.seed, a.json, a.perturb, a.device, against)
 
 
 # -- models and data ------------------------------------------------------------------
@@ -180,13 +219,15 @@ def make_batch(name: str, small: bool, batch: int, seed: int, rank: int,
 
 # -- the three trainers ---------------------------------------------------------------
 class Trainer:
-    """One implementation's model and optimizer; :meth:`step` is one timed step."""
+    """One implementation's model and optimizer; :meth:`step` is one timed step (on a
+    GPU it returns once the device has finished it)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, loss_scale: float = 1.0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_scale = loss_scale
         self.steps_done = 0
+        self.device = next(model.parameters()).device
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """zero_grad, forward, loss, backward and the optimizer's step."""
@@ -196,7 +237,41 @@ class Trainer:
             loss = loss * self.loss_scale
         loss.backward()
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.steps_done += 1
+
+
+def reference_parameters(model: nn.Module, opts: TrainOptions, steps: int,
+                         batches: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                         ranks: int) -> list[torch.Tensor]:
+    """The parameters after ``steps`` steps of one process: each step on the mean over
+    ``ranks`` of the loss of ``batches(rank, step)`` (what averaging every rank's gradient
+    of its own batch computes), with the same SGD."""
+    optimizer = sgd(model, opts)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = sum(nn.functional.cross_entropy(model(x), y)
+                   for x, y in (batches(r, step) for r in range(ranks))) / ranks
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def train_device(opts: TrainOptions) -> torch.device:
+    """This rank's device: the CPU, or GPU ``local_rank % count``."""
+    if opts.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    # float32 math and fixed kernels, so that the check compares summation orders only
+    # (with TF32 and cuDNN's non-deterministic kernels two trainings drift apart by
+    # about 3e-3 of the update in 32 ConvNet steps, whatever their communication)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    return torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
 
 
 def sgd(model: nn.Module, opts: TrainOptions) -> torch.optim.SGD:
@@ -309,22 +384,34 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainRe
     """Train ``name`` with every implementation, interleaved; time and verify
     (collective over ``world``; every rank returns the same rows)."""
     rank, nranks = world.Get_rank(), world.Get_size()
+    device = train_device(opts)
     torch.manual_seed(opts.seed)
     initial = build_model(name, opts.small)
-    start = [p.detach().clone() for p in initial.parameters()]
-    trainers = {"mpitrain": mpitrain_trainer(copy.deepcopy(initial), opts, rank == nranks - 1),
-                "ddp": ddp_trainer(copy.deepcopy(initial), opts)}
+    start = [p.detach().clone().to(device) for p in initial.parameters()]
+
+    def fresh() -> nn.Module:
+        return copy.deepcopy(initial).to(device)
+
+    trainers = {"mpitrain": mpitrain_trainer(fresh(), opts, rank == nranks - 1)}
+    if opts.against == "ddp":
+        trainers["ddp"] = ddp_trainer(fresh(), opts)
     if rank == 0:
-        alone = copy.deepcopy(initial)
+        alone = fresh()
         trainers["1 rank"] = Trainer(alone, sgd(alone, opts))
 
-    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return make_batch(name, opts.small, opts.batch, opts.seed, rank, step)
+    def batch_on(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = make_batch(name, opts.small, opts.batch, opts.seed, r, step)
+        return x.to(device), y.to(device)
 
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_on(rank, step)
+
+    times: dict[str, list[float]] = {impl: [] for impl in opts.impls}
     for round_index in range(-1 if opts.warmup else 0, opts.rounds):
         steps = opts.warmup if round_index < 0 else opts.steps
         for impl in block_order(max(round_index, 0)):
+            if impl not in opts.impls:
+                continue
             if impl == "1 rank":  # rank 0 alone, the others asleep
                 done = timed_steps(trainers[impl], steps, batch_of) if rank == 0 else []
                 idle_barrier(world)
@@ -334,10 +421,14 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainRe
             if round_index >= 0:
                 times[impl] += done
     ours = [p.detach() for p in trainers["mpitrain"].model.parameters()]
-    theirs = [p.detach() for p in trainers["ddp"].model.parameters()]
+    if opts.against == "ddp":
+        theirs = [p.detach() for p in trainers["ddp"].model.parameters()]
+    else:
+        theirs = reference_parameters(fresh(), opts, trainers["mpitrain"].steps_done, batch_on,
+                                      nranks)
     differences = world.allgather(update_difference(ours, theirs, start))
     difference = math.nan if any(math.isnan(d) for d in differences) else max(differences)
-    ok = matches(difference, TOLERANCE[opts.compression])
+    ok = matches(difference, opts.tolerance)
     # median, min, max per implementation; the 1-rank times are rank 0's (0 elsewhere)
     stats = np.array([[statistics.median(t), min(t), max(t)] if t else [0.0, 0.0, 0.0]
                       for t in times.values()])
@@ -391,30 +482,43 @@ def table_rows(rows: Sequence[TrainResult]) -> list[str]:
     return lines
 
 
-def verification_lines(results: Sequence[TrainResult], tolerance: float) -> list[str]:
-    """The closing lines: per model the verification, then the count of failures."""
+def verification_lines(results: Sequence[TrainResult], tolerance: float,
+                       against: str = "ddp") -> list[str]:
+    """The closing lines: per model the verification (against ``ddp`` or the one-process
+    ``reference``), then the count of failures."""
     lines = []
     failed = 0
     for r in results:
         if r.impl != "mpitrain":
             continue
         failed += not r.ok
-        lines.append(f"# Verification {r.model:>8} : |mpitrain - ddp| / |ddp update| = "
+        lines.append(f"# Verification {r.model:>8} : |mpitrain - {against}| / |{against} "
+                     f"update| = "
                      f"{r.difference:.2e} after {r.steps} timed steps (tolerance "
                      f"{tolerance:g}): {'OK' if r.ok else 'FAILED'}")
     lines.append(f"# Mismatched models : {failed} {'OK' if failed == 0 else 'FAILED'}")
     return lines
 
 
+def describe_device(opts: TrainOptions) -> str:
+    """Where the ranks train: the CPU, or the GPUs (name, driver, CUDA)."""
+    if opts.device == "cpu":
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    return (f"cuda: {torch.cuda.device_count()} x {props.name}, rank r on GPU r % count; "
+            f"CUDA {torch.version.cuda}; float32 without TF32, deterministic cuDNN")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the train case; 0 if mpitrain and DDP ended with the same parameters, else 1."""
+    """Run the train case; 0 if mpitrain ended with the parameters of DDP (or of the
+    one-process reference), else 1."""
     args = list(sys.argv[2:] if argv is None else argv)
     world = MPI.COMM_WORLD.Dup()
     rank, nranks = world.Get_rank(), world.Get_size()
     opts = parse_args(args, quiet=rank != 0)
     torch.set_num_threads(1)
     hvd.init()
-    dist = gloo.init(world)
+    dist = gloo.init(world) if opts.against == "ddp" else None
     command = command_line(["train", *args], nranks)
     machine = {**machine_info(world), "torch": torch.__version__}
 
@@ -432,23 +536,30 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"mpitrain {machine['mpitrain']}",
           f"# training  : SGD lr {opts.lr:g} momentum {opts.momentum:g}, cross-entropy on "
           f"synthetic data, seed {opts.seed}; gradients {opts.compression}",
-          f"# impls     : mpitrain = hvd.DistributedOptimizer; ddp = DistributedDataParallel "
-          f"(gloo, torch {torch.__version__}); 1 rank = plain SGD on rank 0 alone",
+          f"# device    : {describe_device(opts)}",
+          "# impls     : mpitrain = hvd.DistributedOptimizer; "
+          + (f"ddp = DistributedDataParallel (gloo, torch {torch.__version__}); "
+             if opts.against == "ddp" else "")
+          + "1 rank = plain SGD on rank 0 alone; checked against "
+          + ("DDP" if opts.against == "ddp" else "a one-process reference on every rank's "
+             "batches"),
           f"# timing    : {opts.warmup} warm-up + {opts.rounds} rounds x {opts.steps} steps "
-          "of each, blocks interleaved (1 rank, mpitrain, ddp; the last two swapped every "
-          "round); step = max over ranks of each rank's median; scaling = 1-rank step / step",
+          "of each, blocks interleaved ("
+          + ("1 rank, mpitrain, ddp; the last two swapped every round"
+             if opts.against == "ddp" else "1 rank, mpitrain")
+          + "); step = max over ranks of each rank's median; scaling = 1-rank step / step",
           "#", *table_header()])
     results: list[TrainResult] = []
     for name in opts.models:
         rows = measure(opts, name, world)
         results += rows
         emit(table_rows(rows))
-    emit(verification_lines(results, TOLERANCE[opts.compression]))
+    emit(verification_lines(results, opts.tolerance, opts.against))
     if rank == 0 and opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
             json.dump({"case": "train", "command": command, "machine": machine,
                        "settings": {**asdict(opts), "compression": opts.compression,
-                                    "tolerance": TOLERANCE[opts.compression]},
+                                    "tolerance": opts.tolerance},
                        "timing": "step_ms = max over ranks of each rank's median step time; "
                                  "min/max likewise; 1 rank = rank 0 alone",
                        "results": [asdict(r) for r in results]}, f, indent=1)

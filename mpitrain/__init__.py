@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import elastic
     from .communicator import Communicator
+    from .config import Settings
     from .engine import EngineStats, Handle
     from .errors import (
         ArgumentError,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
         broadcast_,
         broadcast_async_,
         broadcast_object,
+        configure,
         cross_rank,
         cross_size,
         default_communicator,
@@ -71,13 +73,14 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "communicator": ("Communicator",),
+    "config": ("Settings",),
     "engine": ("EngineStats", "Handle"),
     "errors": ("ArgumentError", "CommunicationError", "DtypeError", "MismatchError",
                "MpitrainError", "NotInitializedError", "StallError", "UnsupportedError"),
     "ops": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
     "session": ("allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
                 "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_",
-                "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
+                "broadcast_async_", "broadcast_object", "configure", "cross_rank", "cross_size",
                 "default_communicator", "grouped_allreduce", "grouped_allreduce_async", "init",
                 "is_initialized", "join", "local_rank", "local_size", "poll", "rank",
                 "reduce_scatter",
@@ -102,6 +105,7 @@ __all__ += [
     "broadcast_async_", "grouped_allreduce", "grouped_allreduce_async", "join", "poll",
     "reduce_scatter_async", "start_timeline", "stop_timeline", "synchronize",
 ]
+__all__ += ["Settings", "configure"]
 
 if not TYPE_CHECKING:  # type checkers see the imports above instead
 

@@ -16,7 +16,8 @@ from typing import Any, ContextManager, Iterable, Sequence
 from mpi4py import MPI
 
 from .comm.topology import Topology
-from .dispatch import Dispatcher, device_policy
+from .config import AT_CREATION, Settings
+from .dispatch import Dispatcher
 from .engine import JOIN_SERVES_ALL, Engine, EngineStats, Handle
 from .errors import ArgumentError, CommunicationError
 from .ops import ReduceOp
@@ -33,6 +34,10 @@ class Communicator:
         check: validate every call across ranks (default: ``MPITRAIN_CHECK``, on).
         shared_memory: use shared-memory windows when every rank is on one node
             (default: ``MPITRAIN_SHM``, on).
+        settings: every other setting (default: the ``MPITRAIN_*`` variables now, see
+            :class:`~mpitrain.config.Settings`); ``check`` and ``shared_memory`` win over
+            it. Read once: a variable changed later reaches the communicator only
+            through :meth:`configure`.
 
     Every method is collective: all ranks of the communicator must call it, in the
     same order, with agreeing arguments (checked unless ``check`` is off). A
@@ -45,9 +50,14 @@ class Communicator:
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool | None = None,
-                 shared_memory: bool | None = None) -> None:
-        self.dispatcher = Dispatcher(MPI.COMM_WORLD if comm is None else comm, check=check,
-                                     shared_memory=shared_memory)
+                 shared_memory: bool | None = None, settings: Settings | None = None) -> None:
+        if settings is None:
+            settings = Settings.from_environment(check=check, shm=shared_memory)
+        else:
+            settings = settings.changed(**{k: v for k, v in (("check", check),
+                                                             ("shm", shared_memory))
+                                           if v is not None})
+        self.dispatcher = Dispatcher(MPI.COMM_WORLD if comm is None else comm, settings)
         self.mpi_comm: MPI.Intracomm = self.dispatcher.mpi_comm
         self._engine: Engine | None = None
         self._join_serves = JOIN_SERVES_ALL
@@ -95,9 +105,52 @@ class Communicator:
 
     @property
     def cuda_policy(self) -> str:
-        """How device buffers reach MPI in this process: ``"cuda-aware"`` (device
+        """How device buffers reach MPI on this communicator: ``"cuda-aware"`` (device
         pointers) or ``"staged"`` (pinned host memory); see :mod:`mpitrain.dispatch.policy`."""
-        return device_policy().name
+        return self.dispatcher.device_policy.name
+
+    @property
+    def settings(self) -> Settings:
+        """The settings this communicator runs under (read when it was created, or set
+        by :meth:`configure`)."""
+        return self.dispatcher.settings
+
+    def configure(self, settings: Settings | None = None, **changes: Any) -> Settings:
+        """Run the later calls under other settings (collective).
+
+        ``comm.configure(segment_bytes="64K", algorithm="ring")`` changes the named
+        settings (the fields of :class:`~mpitrain.config.Settings`; a text is read as
+        the variable's value would be); ``comm.configure(saved)`` puts a whole
+        :class:`~mpitrain.config.Settings` back; ``comm.configure()`` reads the
+        ``MPITRAIN_*`` variables again. This is how a setting changed at run time (in a
+        test, after ``mpitrain-tune``) reaches a communicator: nothing reads the
+        environment per call. Those fixed at creation
+        (:data:`~mpitrain.config.AT_CREATION`: shared memory, stall limits) raise
+        :class:`~mpitrain.ArgumentError`; create a new communicator for them.
+
+        Every rank must call it with the same settings where they must agree
+        (:data:`~mpitrain.config.AGREED`), else :class:`~mpitrain.MismatchError` on
+        every rank and nothing changes. Cached plans are dropped; a running async
+        engine is stopped first (what every rank submitted finishes, the rest fails)
+        and the next async call starts one with the new settings.
+
+        Returns:
+            The settings in force before the call.
+        """
+        before = self.settings
+        if settings is None:
+            if changes:
+                settings = before.changed(**changes)
+            else:
+                kept = {name: getattr(before, name) for name in AT_CREATION}
+                settings = Settings.from_environment(**kept)
+        elif changes:
+            settings = settings.changed(**changes)
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
+        self.dispatcher.configure(settings)
+        return before
 
     def algorithms(self, collective: str) -> list[str]:
         """The algorithms this communicator can run for ``collective`` on host buffers."""
@@ -275,39 +328,43 @@ class Communicator:
     # -- asynchronous collectives ------------------------------------------------------
     def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        algorithm: str | None = None) -> Handle:
+                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start an allreduce of ``x``; ``wait()`` returns a new array with the result.
 
         Arguments are those of :meth:`allreduce`, plus ``name`` (see the class
         documentation). Small allreduces with the same op, dtype, scaling and algorithm
-        are fused (``MPITRAIN_FUSION_THRESHOLD``).
+        are fused (``MPITRAIN_FUSION_THRESHOLD``). For device arrays, ``stream`` is the
+        stream whose work produces ``x`` (default: the current one): the engine reads
+        ``x`` once that work is done, and the result is complete when the handle is
+        (every async call takes ``stream=`` alike).
         """
         return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
-                                       algorithm, False)
+                                       algorithm, False, stream)
 
     def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
                          name: str | None = None, prescale_factor: float = 1.0,
-                         postscale_factor: float = 1.0, algorithm: str | None = None) -> Handle:
+                         postscale_factor: float = 1.0, algorithm: str | None = None, *,
+                         stream: Any = None) -> Handle:
         """Start an in-place allreduce of ``x``; ``wait()`` returns ``x``, reduced."""
         return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
-                                       algorithm, True)
+                                       algorithm, True, stream)
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                                 name: str | None = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0,
-                                algorithm: str | None = None) -> Handle:
+                                algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start one fused allreduce of every array of ``xs`` (one collective per dtype,
         whatever the fusion threshold); ``wait()`` returns the list of new arrays."""
         return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
-                                               algorithm, False)
+                                               algorithm, False, stream)
 
     def grouped_allreduce_async_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                                  name: str | None = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0,
-                                 algorithm: str | None = None) -> Handle:
+                                 algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """In-place :meth:`grouped_allreduce_async`; ``wait()`` returns ``xs`` as a list."""
         return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
-                                               algorithm, True)
+                                               algorithm, True, stream)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                           name: str | None = None, prescale_factor: float = 1.0,
@@ -325,27 +382,27 @@ class Communicator:
                                              algorithm).wait()
 
     def allgather_async(self, x: Any, name: str | None = None,
-                        algorithm: str | None = None) -> Handle:
+                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start :meth:`allgather`; ``wait()`` returns the result."""
-        return self.engine().allgather(x, name, algorithm)
+        return self.engine().allgather(x, name, algorithm, stream)
 
     def broadcast_async(self, x: Any, root: int = 0, name: str | None = None,
-                        algorithm: str | None = None) -> Handle:
+                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start :meth:`broadcast`; ``wait()`` returns a new array."""
-        return self.engine().broadcast(x, root, name, algorithm, False)
+        return self.engine().broadcast(x, root, name, algorithm, False, stream)
 
     def broadcast_async_(self, x: Any, root: int = 0, name: str | None = None,
-                         algorithm: str | None = None) -> Handle:
+                         algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start an in-place broadcast from ``root``; ``wait()`` returns ``x``."""
-        return self.engine().broadcast(x, root, name, algorithm, True)
+        return self.engine().broadcast(x, root, name, algorithm, True, stream)
 
     def reduce_scatter_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
                              name: str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-                             algorithm: str | None = None) -> Handle:
+                             algorithm: str | None = None, *, stream: Any = None) -> Handle:
         """Start :meth:`reduce_scatter`; ``wait()`` returns this rank's block."""
         return self.engine().reduce_scatter(x, op, name, prescale_factor, postscale_factor,
-                                            algorithm)
+                                            algorithm, stream)
 
     @staticmethod
     def synchronize(handle: Handle) -> Any:
@@ -394,11 +451,10 @@ class Communicator:
             # instead of entering the engine's collectives alone.
             d.rendezvous("the async engine's start")
             d.rendezvous("the async engine's start (confirmation)")
-            # the engine's own dispatcher keeps this one's choices of validation, shared
-            # memory and stall limits
-            engine = self._engine = Engine(d.mpi_comm, check=d.check,
-                                           shared_memory=d.shm is not None,
-                                           stall=d.transport.inspector.limits)
+            # the engine's own dispatcher runs under this one's settings (shared memory
+            # only if this one has it)
+            engine = self._engine = Engine(d.mpi_comm, d.settings.changed(
+                shm=d.settings.shm and d.shm is not None))
             engine.join_serves = self._join_serves
         return engine
 

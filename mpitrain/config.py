@@ -9,6 +9,7 @@ module is imported and again by :func:`resolve_aliases` (``mt.init()`` calls it)
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -52,21 +53,6 @@ def _parse_count(text: str) -> int:
     return value
 
 
-# CPython keeps the environment in a dict of bytes on POSIX; reading it directly is several
-# times faster than os.environ.get, which matters on the per-call path of small collectives.
-_ENVIRON_BYTES: dict[bytes, bytes] | None = getattr(os.environ, "_data", None)
-if os.name != "posix" or not isinstance(_ENVIRON_BYTES, dict):  # pragma: no cover
-    _ENVIRON_BYTES = None
-
-
-_ENV_GET: Callable[[Any], Any] = os.environ.get if _ENVIRON_BYTES is None else _ENVIRON_BYTES.get
-"""The raw text of a variable by its key: bytes (POSIX) or the name itself."""
-
-
-def _env_key(name: str) -> Any:
-    return name if _ENVIRON_BYTES is None else os.fsencode(name)
-
-
 @dataclass(frozen=True)
 class _AliasValue:
     """A Horovod variable resolved for a setting: our spelling of its value, or why
@@ -81,45 +67,32 @@ class _AliasValue:
 class Setting(Generic[T]):
     """One ``MPITRAIN_*`` variable: its name, parser, default and meaning.
 
-    The variable is read on every :meth:`get` (so a changed environment is seen at
-    once); the parsed value of each raw text is cached.
+    :meth:`get` reads the variable now. The collectives never call it: a communicator
+    reads its settings once, into a :class:`Settings` snapshot.
     """
 
     name: str
     parse: Callable[[str], T]
     default: T
     doc: str
-    _parsed: dict[Any, T] = field(default_factory=dict, repr=False, compare=False)
-    _key: Any = field(default=b"", repr=False, compare=False)
     _alias: _AliasValue | None = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_key", _env_key(self.name))
 
     def get(self, override: T | None = None) -> T:
         """Return ``override`` if given, else the parsed variable, else the default."""
         if override is not None:
             return override
-        raw = _ENV_GET(self._key)
-        if not raw:
+        text = os.environ.get(self.name, "")
+        if not text:
             alias = self._alias
             if alias is None:
                 return self.default
             if alias.error:
                 raise ArgumentError(alias.error)
-            raw = alias.text
-        try:  # keyed by the raw text: a hit costs no decoding
-            return self._parsed[raw]
-        except KeyError:
-            pass
-        text = raw if isinstance(raw, str) else os.fsdecode(raw)
+            text = alias.text
         try:
-            value = self.parse(text)
+            return self.parse(text)
         except ValueError as exc:
             raise ArgumentError(f"{self.name}={text!r} is not valid: {exc}") from None
-        if len(self._parsed) < 64:
-            self._parsed[raw] = value
-        return value
 
 
 ALGORITHM = Setting("MPITRAIN_ALGORITHM", str, "auto",
@@ -154,30 +127,6 @@ CROSS_RANKS = Setting("MPITRAIN_CROSS_RANKS", int, 1,
                       "Hierarchical allreduce: how many ranks of each node exchange across "
                       "nodes; 1 sends each node's sum through its first rank (one connection "
                       "per pair of nodes), 0 every local rank its own shard in parallel.")
-
-
-PLAN_SETTINGS = (ALGORITHM, TUNING_FILE, CHECK, SEGMENT_BYTES)
-"""The settings that decide how a small blocking collective runs (its algorithm, its
-validation, whether it fits a shared-memory slot): see :func:`plan_texts`."""
-
-
-def _plan_texts() -> Callable[[], tuple[Any, ...]]:
-    get = _ENV_GET
-    k0, k1, k2, k3 = (s._key for s in PLAN_SETTINGS)
-
-    def plan_texts() -> tuple[Any, ...]:
-        """The raw environment texts of :data:`PLAN_SETTINGS`, now.
-
-        Equal tuples mean equal settings, so a plan cached with the tuple of its time
-        stays valid while this returns an equal one; it costs four dictionary lookups,
-        not four parses.
-        """
-        return (get(k0), get(k1), get(k2), get(k3))
-
-    return plan_texts
-
-
-plan_texts = _plan_texts()
 
 
 def _parse_seconds(text: str) -> float:
@@ -240,6 +189,111 @@ GRAD_BATCH_BYTES: Setting[int | None] = Setting(
     "start their allreduces together (0: each as soon as it is final, as Horovod); unset "
     "or auto: 0, or 8M where host gradients are reduced on one node and no core is "
     "spare for the async engine's thread.")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of one communicator, read once: a snapshot that its dispatcher, its
+    async engine and the algorithms they plan are given.
+
+    :meth:`from_environment` reads them (keyword argument > ``MPITRAIN_*`` > Horovod
+    alias > default) when a :class:`~mpitrain.Communicator` is created; nothing reads
+    the environment per call. A setting changed later reaches a communicator through
+    :meth:`mpitrain.Communicator.configure` (collective), never by itself.
+
+    The settings that decide which messages a collective sends (:data:`AGREED`) must
+    be the same on every rank: a communicator compares them when it is created and at
+    every ``configure``, and raises :class:`~mpitrain.MismatchError` on every rank if
+    they differ.
+    """
+
+    algorithm: str = ALGORITHM.default
+    segment_bytes: int = SEGMENT_BYTES.default
+    tuning_file: str = TUNING_FILE.default
+    check: bool = CHECK.default
+    shm: bool = SHM.default
+    single_copy: bool = SINGLE_COPY.default
+    fusion_threshold: int = FUSION_THRESHOLD.default
+    cycle_time_ms: float = CYCLE_TIME_MS.default
+    inter_segment_bytes: int = INTER_SEGMENT_BYTES.default
+    cross_ranks: int = CROSS_RANKS.default
+    cuda_aware: bool | None = None
+    staging_slots: int = STAGING_SLOTS.default
+    stall_warning_s: float = STALL_WARNING_S.default
+    stall_timeout_s: float = STALL_TIMEOUT_S.default
+    stall_action: str = STALL_ACTION.default
+    elastic: bool = ELASTIC.default
+
+    def __post_init__(self) -> None:
+        for name, setting in SETTING_OF.items():
+            value = getattr(self, name)
+            if isinstance(value, str) and setting.parse is not str:  # "" reads as unset
+                object.__setattr__(self, name, _parsed(setting, value) if value.strip()
+                                   else setting.default)
+        if self.staging_slots < 1:
+            raise ArgumentError(f"staging needs at least one pinned slot per direction, got "
+                                f"staging_slots={self.staging_slots}; set "
+                                "MPITRAIN_STAGING_SLOTS to 1 or more")
+        object.__setattr__(self, "algorithm", self.algorithm.lower())
+
+    @classmethod
+    def from_environment(cls, **overrides: Any) -> Settings:
+        """The settings as the environment gives them now, with ``overrides`` (keyword
+        arguments named as the fields; ``None`` is no override).
+
+        Raises:
+            ArgumentError: a variable whose value is not valid, naming it.
+        """
+        unknown = sorted(set(overrides) - set(SETTING_OF))
+        if unknown:
+            raise ArgumentError(f"unknown settings {unknown}; the settings are "
+                                f"{', '.join(SETTING_OF)}")
+        values = {name: setting.get(overrides.get(name)) for name, setting in
+                  SETTING_OF.items()}
+        return cls(**values)
+
+    def changed(self, **changes: Any) -> Settings:
+        """These settings with ``changes`` (keyword arguments named as the fields; a
+        text is parsed as the variable's value would be)."""
+        unknown = sorted(set(changes) - set(SETTING_OF))
+        if unknown:
+            raise ArgumentError(f"unknown settings {unknown}; the settings are "
+                                f"{', '.join(SETTING_OF)}")
+        return dataclasses.replace(self, **changes)
+
+    def agreed(self) -> tuple[tuple[str, Any], ...]:
+        """The ``(name, value)`` of every setting in :data:`AGREED`."""
+        return tuple((name, getattr(self, name)) for name in AGREED)
+
+
+def _parsed(setting: Setting[Any], text: str) -> Any:
+    try:
+        return setting.parse(text)
+    except ValueError as exc:
+        raise ArgumentError(f"{setting.name}={text!r} is not valid: {exc}") from None
+
+
+SETTING_OF: dict[str, Setting[Any]] = {
+    "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES, "tuning_file": TUNING_FILE,
+    "check": CHECK, "shm": SHM, "single_copy": SINGLE_COPY,
+    "fusion_threshold": FUSION_THRESHOLD, "cycle_time_ms": CYCLE_TIME_MS,
+    "inter_segment_bytes": INTER_SEGMENT_BYTES, "cross_ranks": CROSS_RANKS,
+    "cuda_aware": CUDA_AWARE, "staging_slots": STAGING_SLOTS,
+    "stall_warning_s": STALL_WARNING_S, "stall_timeout_s": STALL_TIMEOUT_S,
+    "stall_action": STALL_ACTION, "elastic": ELASTIC,
+}
+"""The field of :class:`Settings` that each communicator setting fills."""
+
+AGREED = ("algorithm", "segment_bytes", "check", "inter_segment_bytes", "cross_ranks")
+"""Settings that every rank of a communicator must share: they decide the algorithm of a
+call, its messages and whether it is validated. The rules of the tuning file are
+compared too (its contents, not its path, which may differ between nodes). The fusion
+threshold needs no agreement: the ranks of a cycle use the smallest."""
+
+AT_CREATION = ("shm", "single_copy", "stall_warning_s", "stall_timeout_s", "stall_action",
+               "elastic")
+"""Settings that shape what a communicator is made of (its shared memory, its stall
+inspector): fixed when it is created. ``configure`` refuses to change them."""
 
 
 ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(

@@ -16,6 +16,7 @@ from mpi4py import MPI
 from . import config, excepthook
 from .comm import exitguard
 from .communicator import Communicator
+from .config import Settings
 from .engine import Handle
 from .errors import NotInitializedError
 from .ops import ReduceOp, Sum
@@ -74,9 +75,16 @@ def configure_logging(rank: int) -> None:
                                                 "%(message)s"))
 
 
-def replace_default(comm: Communicator) -> None:
+def configure(settings: Settings | None = None, **changes: Any) -> Settings:
+    """:meth:`Communicator.configure` of the default communicator (collective):
+    ``mt.configure(segment_bytes="64K")``; returns the settings before."""
+    return default_communicator().configure(settings, **changes)
+
+
+def replace_default(comm: Communicator | None) -> None:
     """Make ``comm`` the default communicator without freeing the old one, whose ranks
-    may be gone (:mod:`mpitrain.elastic` does this after a rank failure)."""
+    may be gone (:mod:`mpitrain.elastic` does this after a rank failure); ``None``: no
+    default until the next :func:`init`."""
     global _default
     _default = comm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -19,15 +19,63 @@ def comm() -> Iterator[object]:
     down: the next one gets a new one), with mpitrain's own join() rule (an earlier
     ``mpitrain.torch`` test may have set Horovod's on it)."""
     import mpitrain as mt
+    from mpitrain import session
     from mpitrain.engine import JOIN_SERVES_ALL
 
     comm = mt.init()
+    if unusable(comm):  # an earlier test stalled (make test-mpi sets a stall timeout):
+        session.replace_default(None)  # leave it, as its collectives may be in flight
+        comm = mt.init()
     comm.join_serves = JOIN_SERVES_ALL  # mpitrain.torch narrows it to Horovod's rule
     yield comm
 
 
+def unusable(comm: Any) -> bool:
+    """True if a stall broke ``comm`` (or its async engine): every call would raise."""
+    dispatchers = [comm.dispatcher]
+    if comm.engine_started:
+        engine = comm.engine()
+        if engine._closed is not None:  # failed (a stopped engine is no longer there)
+            return True
+        dispatchers.append(engine.dispatcher)
+    return any(d.transport.broken is not None for d in dispatchers)
+
+
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """Set MPITRAIN_* variables for one test (every rank must set the same)."""
+    """Set variables for one test (every rank must set the same). A communicator reads
+    its MPITRAIN_* settings when it is created: to change those of ``comm``, use
+    ``configure``."""
     return monkeypatch
 
+
+@pytest.fixture
+def configure(comm: Any) -> Iterator[Callable[..., Any]]:
+    """``configure(**changes)``: run the rest of the test under changed settings of the
+    default communicator (``Communicator.configure``: collective, every rank passes the
+    same); its settings are put back afterwards."""
+    import mpitrain as mt
+
+    saved = comm.settings
+    yield comm.configure
+    if mt.is_initialized() and mt.init() is comm and comm.settings != saved:
+        comm.configure(saved)
+
+
+
+@pytest.fixture(params=["cpu", "fake-cuda"])
+def torch_device(request: pytest.FixtureRequest, comm: Any) -> Iterator[str]:
+    """Run a torch test twice: on CPU tensors, and with every CPU tensor taken for a
+    tensor on the fake GPU of ``fake_device.py`` (the path of CUDA tensors: the GPU
+    backend, its streams, the staging transport with rendezvous sends). A test marked
+    ``host_only`` runs on CPU tensors only."""
+    if request.param == "cpu":
+        yield "cpu"
+        return
+    marker = request.node.get_closest_marker("host_only")
+    if marker is not None:
+        pytest.skip(f"host tensors only: {marker.args[0] if marker.args else ''}")
+    from fake_device import fake_torch_device
+
+    with fake_torch_device(seed=comm.rank * 7919 + 1):
+        yield "fake-cuda"

@@ -8,18 +8,30 @@ and streams are drained only when the host synchronizes. So work on different
 streams completes in random orders, and code that reads device memory, or hands it
 to MPI, without the event or synchronization the stream rule requires sees stale
 bytes. Fresh device arrays and pinned buffers are filled with a poison byte, so
-stale bytes show up as wrong results.
+stale bytes show up as wrong results. As on a GPU, the current stream is per thread
+(the async engine's thread has its own), and the device may be driven from several
+threads at once (one lock orders its steps).
 
 :class:`FakeBackend` is a device array backend over :class:`FakeDeviceArray` (a numpy
 subclass) whose every operation is queued on the current fake stream; registered
 with :func:`mpitrain.backends.register`, it sends the communicator down exactly the
-device path (transfer policy, staging transport, ring) that CuPy arrays take.
+device path (transfer policy, staging transport, ring) that CuPy arrays take. It also
+owns :class:`ForeignDeviceArray`, the fake's counterpart of a torch CUDA tensor:
+another library's object in the same device memory, which ``asarray`` wraps in a new
+view (as ``cupy.from_dlpack`` does), so ``asarray(x) is x`` never holds for it.
+
+While :func:`fake_backend` is active, the device transports post their sends as
+``MPI_Issend`` (:data:`mpitrain.comm.staging.SYNCHRONOUS_SENDS`): a send completes only
+once its receive is matched, as every message above MPI's eager limit does on a real
+machine, so a transport that waits on its peer's receive shows it with tiny messages.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import threading
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterator
 
@@ -33,6 +45,23 @@ POISON = 0xA5
 
 class FakeDeviceArray(np.ndarray):  # type: ignore[type-arg]
     """An array in the fake device's memory."""
+
+
+class ForeignDeviceArray:
+    """Another library's array in fake device memory (the fake's torch CUDA tensor):
+    not an array of the backend, which sees its memory through a new view.
+
+    Args:
+        memory: the fake device memory it stands for (shared, not copied).
+    """
+
+    def __init__(self, memory: FakeDeviceArray) -> None:
+        self.memory = memory
+        self.shape, self.dtype = memory.shape, memory.dtype
+
+    def view(self) -> FakeDeviceArray:
+        """A new backend array over the same memory (``cupy.from_dlpack``'s role)."""
+        return self.memory.view(FakeDeviceArray)
 
 
 class _Marker:
@@ -50,21 +79,23 @@ class FakeStream:
     def __init__(self, device: FakeDevice, name: str) -> None:
         self.device, self.name = device, name
         self.queue: deque[tuple[str, Any, int]] = deque()  # (kind, item, runnable at tick)
-        self._saved: list[FakeStream] = []
 
     def enqueue(self, work: Callable[[], None], ticks: int | None = None) -> None:
         """Queue a piece of work that takes ``ticks`` (default: a random while)."""
-        delay = self.device.latency() if ticks is None else ticks
-        self.queue.append(("run", work, self.device.clock + delay))
+        with self.device.lock:
+            delay = self.device.latency() if ticks is None else ticks
+            self.queue.append(("run", work, self.device.clock + delay))
 
     def mark(self, marker: _Marker) -> None:
         """Queue the marker of an event."""
-        self.queue.append(("mark", marker, 0))
+        with self.device.lock:
+            self.queue.append(("mark", marker, 0))
 
     def wait_event(self, event: FakeEvent) -> None:
         """Later work waits for what ``event`` marked at this moment."""
-        if event.marker is not None:
-            self.queue.append(("wait", event.marker, 0))
+        with self.device.lock:
+            if event.marker is not None:
+                self.queue.append(("wait", event.marker, 0))
 
     def ready(self) -> bool:
         """True if the next piece of work can run now."""
@@ -86,12 +117,12 @@ class FakeStream:
         self.device.run_until(lambda: not self.queue)
 
     def __enter__(self) -> FakeStream:
-        self._saved.append(self.device.current)
+        self.device.entered().append(self.device.current)
         self.device.current = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.device.current = self._saved.pop()
+        self.device.current = self.device.entered().pop()
 
 
 class FakeEvent:
@@ -135,9 +166,25 @@ class FakeDevice:
         self.eagerness = eagerness
         self.max_latency = max_latency
         self.clock = 0
+        self.lock = threading.RLock()  # one step at a time, whichever thread drives it
+        self._local = threading.local()  # the current stream is per thread
         self.default = FakeStream(self, "default")
-        self.current = self.default
         self.streams: list[FakeStream] = [self.default]
+
+    @property
+    def current(self) -> FakeStream:
+        """This thread's current stream (the default stream until one is entered)."""
+        stream: FakeStream = getattr(self._local, "stream", self.default)
+        return stream
+
+    @current.setter
+    def current(self, stream: FakeStream) -> None:
+        self._local.stream = stream
+
+    def entered(self) -> list[FakeStream]:
+        """This thread's streams made current by ``with stream:`` before the current one."""
+        stack: list[FakeStream] = self._local.__dict__.setdefault("entered", [])
+        return stack
 
     def current_stream(self) -> FakeStream:
         """The current stream."""
@@ -145,8 +192,9 @@ class FakeDevice:
 
     def new_stream(self) -> FakeStream:
         """A new stream."""
-        stream = FakeStream(self, f"stream{len(self.streams)}")
-        self.streams.append(stream)
+        with self.lock:
+            stream = FakeStream(self, f"stream{len(self.streams)}")
+            self.streams.append(stream)
         return stream
 
     def new_event(self) -> FakeEvent:
@@ -178,6 +226,10 @@ class FakeDevice:
 
         When nothing is ready only because of latency, the clock jumps ahead. False if
         nothing can ever run (every stream is empty or waits for an event)."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> bool:
         self.clock += 1
         ready = [s for s in self.streams if s.ready()]
         if not ready:
@@ -201,9 +253,13 @@ class FakeDevice:
     def run_until(self, condition: Callable[[], bool]) -> None:
         """Take random steps until ``condition`` holds."""
         while not condition():
-            if not self.step():
-                pending = {s.name: len(s.queue) for s in self.streams if s.queue}
-                raise RuntimeError(f"fake device deadlock: nothing can run; queued {pending}")
+            with self.lock:
+                if condition():
+                    return
+                if not self._step():
+                    pending = {s.name: len(s.queue) for s in self.streams if s.queue}
+                    raise RuntimeError(f"fake device deadlock: nothing can run; queued "
+                                       f"{pending}")
 
     def idle(self) -> bool:
         """True when no stream has work queued."""
@@ -223,15 +279,15 @@ class FakeBackend:
         self.fake.current.enqueue(work)
 
     def owns(self, obj: object) -> bool:
-        """True for fake device arrays."""
-        return isinstance(obj, FakeDeviceArray)
+        """True for fake device arrays and foreign arrays in fake device memory."""
+        return isinstance(obj, (FakeDeviceArray, ForeignDeviceArray))
 
     def asarray(self, obj: object) -> Any:
-        """The array itself."""
-        return obj
+        """A fake device array itself; a foreign one as a new view of its memory."""
+        return obj.view() if isinstance(obj, ForeignDeviceArray) else obj
 
     def writes_through(self, arr: Any, obj: object) -> bool:
-        """Always: no conversion happens."""
+        """Always: no conversion copies."""
         return True
 
     def empty(self, count: int, dtype: Any) -> Any:
@@ -319,6 +375,12 @@ class FakeBackend:
             yield
             chosen.synchronize()
 
+    def record(self, obj: object, stream: Any = None) -> FakeEvent:
+        """An event recorded now on ``stream`` (default: this thread's current one)."""
+        event = self.fake.new_event()
+        event.record(stream or self.fake.current)
+        return event
+
     def device_id(self) -> int:
         """The fake device's number."""
         return self.fake.id
@@ -335,13 +397,80 @@ def to_device(host: np.ndarray[Any, Any]) -> FakeDeviceArray:
 
 @contextlib.contextmanager
 def fake_backend(seed: int, eagerness: int = 2) -> Iterator[FakeBackend]:
-    """Register a fresh fake backend for the block (the previous one is replaced)."""
+    """Register a fresh fake backend for the block (the previous one is replaced), with
+    synchronous sends in the device transports (see the module documentation)."""
     from mpitrain import backends
+    from mpitrain.comm import staging
 
     backend = FakeBackend(FakeDevice(seed, eagerness))
     saved = list(backends._BACKENDS)
+    synchronous = staging.SYNCHRONOUS_SENDS
     backends._BACKENDS[:] = [b for b in saved if not isinstance(b, FakeBackend)] + [backend]
+    staging.SYNCHRONOUS_SENDS = True
     try:
         yield backend
     finally:
         backends._BACKENDS[:] = saved
+        staging.SYNCHRONOUS_SENDS = synchronous
+
+
+class FakeTensors:
+    """``mpitrain.torch``'s view of the fake GPU (a :class:`mpitrain.torch.tensors.DeviceTensors`):
+    while :func:`fake_torch_device` is active every CPU tensor counts as a tensor on the
+    fake GPU, so the adapter hands it to the comm layer as a :class:`ForeignDeviceArray`
+    (as it hands a CUDA tensor itself, which the CuPy backend wraps), and results come
+    back from fake device arrays (as through ``torch.from_dlpack``). The "host copies"
+    it makes (what ``tensor.cpu()`` is for a CUDA tensor) are the CPU tensors it does not
+    claim: their memory is remembered until they are gone."""
+
+    def __init__(self) -> None:
+        self.host: set[int] = set()  # storage addresses of the host copies alive
+
+    def owns(self, tensor: Any) -> bool:
+        """Every CPU tensor but the host copies."""
+        return bool(tensor.device.type == "cpu") and \
+            tensor.untyped_storage().data_ptr() not in self.host
+
+    def host_copy(self, tensor: Any) -> Any:
+        """A copy that the adapter takes for a host tensor."""
+        copy = tensor.clone()
+        address = copy.untyped_storage().data_ptr()
+        self.host.add(address)
+        weakref.finalize(copy, self.host.discard, address)
+        return copy
+
+    def to_device(self, result: Any, like: Any) -> Any:
+        """A copy "on the device" (one the fake claims)."""
+        return result.clone()
+
+    def to_buffer(self, tensor: Any) -> ForeignDeviceArray:
+        """The tensor's memory as a foreign array on the fake device."""
+        from mpitrain.torch.tensors import host_view
+
+        return ForeignDeviceArray(host_view(tensor).view(FakeDeviceArray))
+
+    def from_buffer(self, array: Any) -> Any:
+        """A tensor sharing a fake device result's memory."""
+        from mpitrain.torch.tensors import from_host
+
+        if isinstance(array, FakeDeviceArray):
+            return from_host(array.view(np.ndarray))
+        return None
+
+    def stream(self, tensor: Any) -> Any:
+        """The current stream (torch's work on CPU tensors is done when it returns)."""
+        return None
+
+
+@contextlib.contextmanager
+def fake_torch_device(seed: int, eagerness: int = 2) -> Iterator[FakeBackend]:
+    """:func:`fake_backend`, with ``mpitrain.torch`` taking every CPU tensor as a tensor
+    on that fake GPU (:class:`FakeTensors`)."""
+    from mpitrain.torch import tensors
+
+    with fake_backend(seed, eagerness) as backend:
+        tensors.DEVICES.insert(0, FakeTensors())
+        try:
+            yield backend
+        finally:
+            del tensors.DEVICES[0]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -58,6 +59,17 @@ def reference(size: int, count: int, dtype: Any, op: ReduceOp) -> np.ndarray[Any
         else:
             np.multiply(acc, 1.0 / size, out=acc, casting="unsafe")
     return acc
+
+
+@contextlib.contextmanager
+def configured(comm: mt.Communicator, **changes: Any) -> Iterator[mt.Communicator]:
+    """``comm`` under changed settings for the block (``Communicator.configure``:
+    collective, every rank passes the same), its settings put back afterwards."""
+    saved = comm.configure(**changes)
+    try:
+        yield comm
+    finally:
+        comm.configure(saved)
 
 
 def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:

@@ -43,6 +43,9 @@ HUNG = None
 WEIGHTS = np.array([6, 3, 2, 5, 4, 3, 2, 1, 1, 1, 2], float)
 SMALL_SEGMENTS = ("", "", "", "64", "1K", "24")  # many segments: only for small counts
 LARGE_SEGMENTS = ("", "", "64K", "256K")
+RECONFIGURE = 0.1
+"""How often a case takes the segment size it drew (Communicator.configure stops and
+restarts the async engine); a large count always leaves a tiny segment."""
 
 
 def draw_count(rng: np.random.Generator, size: int, max_count: int) -> int:
@@ -62,6 +65,7 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int,
     """Run one randomized collective; return its description and whether it was right.
     ``note`` gets the description before any message moves (a hang is then known by it)."""
     import mpitrain as mt
+    from mpitrain import config
     from mpitrain.algorithms import ALGORITHMS
 
     size, rank = comm.size, comm.rank
@@ -69,12 +73,15 @@ def one_case(comm: Any, rng: np.random.Generator, max_count: int,
     dtype = str(rng.choice(DTYPES))
     count = draw_count(rng, size, max_count)
     segments = SMALL_SEGMENTS if count <= 4096 else LARGE_SEGMENTS
-    os.environ["MPITRAIN_SEGMENT_BYTES"] = str(segments[rng.integers(len(segments))])
+    segment = config.parse_size(str(segments[rng.integers(len(segments))]) or "0")
+    tiny = 0 < comm.settings.segment_bytes < 4096 < count  # a large count in tiny segments
+    if segment != comm.settings.segment_bytes and (rng.random() < RECONFIGURE or tiny):
+        comm.configure(segment_bytes=segment)  # collective: the rng is every rank's
     base = kind.rstrip("_").removesuffix("_out")
     # the ones this communicator runs (no shm under MPITRAIN_SHM=0 or across nodes)
     algorithms = ("auto", *(comm.algorithms(base) if base in ALGORITHMS else ()))
     algorithm = str(rng.choice(algorithms))
-    what = f"{kind} {dtype}[{count}] {algorithm} seg={os.environ['MPITRAIN_SEGMENT_BYTES']}"
+    what = f"{kind} {dtype}[{count}] {algorithm} seg={comm.settings.segment_bytes}"
 
     if kind not in ("async", "allreduce", "allreduce_", "allreduce_out", "reduce_scatter"):
         note(what)  # (the reductions once their op is drawn)

@@ -73,6 +73,10 @@ class PlanRequest:
         validator: the header exchange, for algorithms that carry data in it.
         choose: picks the algorithm of a sub-collective (the phases of a hierarchical
             algorithm); the dispatcher passes its selection table.
+        inter_segment_bytes: largest message of the inter-node phases of hierarchical
+            algorithms (``MPITRAIN_INTER_SEGMENT_BYTES``; 0: as ``segment_bytes``).
+        cross_ranks: how many ranks of each node exchange across nodes in a
+            hierarchical allreduce (``MPITRAIN_CROSS_RANKS``; 0: every local rank).
     """
 
     transport: PeerTransport
@@ -86,6 +90,8 @@ class PlanRequest:
     shm: SharedMemory | None = None
     validator: Validator | None = None
     choose: Chooser = first_available
+    inter_segment_bytes: int = 60 << 10
+    cross_ranks: int = 1
 
     @property
     def count(self) -> int:

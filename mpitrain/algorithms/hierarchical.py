@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import config
 from ..comm.topology import Topology
 from ..comm.transport import Request, Transport
 from .base import Plan, PlanRequest, Signature
@@ -76,10 +75,9 @@ _FLAT = {
 }
 
 
-def inter_segment_bytes(segment_bytes: int) -> int:
-    """Segment size of the inter-node phases: ``MPITRAIN_INTER_SEGMENT_BYTES``, or the
-    general ``segment_bytes`` where that is smaller (or the setting is 0)."""
-    limit = config.INTER_SEGMENT_BYTES.get()
+def inter_segment_bytes(segment_bytes: int, limit: int) -> int:
+    """Segment size of the inter-node phases: ``limit`` (``MPITRAIN_INTER_SEGMENT_BYTES``),
+    or the general ``segment_bytes`` where that is smaller (or ``limit`` is 0)."""
     if limit == 0 or 0 < segment_bytes < limit:
         return segment_bytes
     return limit
@@ -110,7 +108,7 @@ def _inter_allreduce(req: PlanRequest, cross: Transport, count: int) -> Any:
     if cross.size == 2 or count * req.dtype.itemsize <= DOUBLING_MAX_BYTES:
         # Pairs exchange both ways on one connection: keep the messages eager.
         return SegmentedDoublingAllreduce(dataclasses.replace(
-            sub, segment_bytes=inter_segment_bytes(req.segment_bytes)))
+            sub, segment_bytes=inter_segment_bytes(req.segment_bytes, req.inter_segment_bytes)))
     return _Blocking(RingAllreduce(sub))
 
 
@@ -128,10 +126,9 @@ class _Blocking:
         """Nothing left to do."""
 
 
-def cross_columns(topo: Topology) -> int:
-    """How many local ranks of each node carry the allreduce across nodes
+def cross_columns(topo: Topology, wanted: int) -> int:
+    """How many local ranks of each node carry the allreduce across nodes: ``wanted``
     (``MPITRAIN_CROSS_RANKS``; 0 or more than the smallest node: every rank there)."""
-    wanted = config.CROSS_RANKS.get()
     if wanted <= 0:
         return topo.min_local_size
     return min(wanted, topo.min_local_size)
@@ -147,7 +144,7 @@ class _Piece:
 
     def __init__(self, req: PlanRequest, lo: int, hi: int) -> None:
         topo = req.topology
-        columns, self.local = cross_columns(topo), topo.local
+        columns, self.local = cross_columns(topo, req.cross_ranks), topo.local
         n = hi - lo
         shards = split_bounds(n, columns) + [(n, n)] * (self.local.size - columns)
         self.lo, self.hi = lo, hi
@@ -296,8 +293,9 @@ class _ColumnPlan(Plan):
         # Across nodes our ring: it keeps to the inter-node segment size (MPI's own
         # collectives send large messages whole, by rendezvous).
         # On two nodes the ring is an exchange both ways on one connection: eager.
+        segment = inter_segment_bytes(req.segment_bytes, req.inter_segment_bytes)
         self.inter = _phase(collective, req, topo.cross, lay.node_blocks, "ring",
-                            inter_segment_bytes(req.segment_bytes) if nodes == 2 else None) \
+                            segment if nodes == 2 else None) \
             if self.is_rep and nodes > 1 else None
         # The block goes straight to/from the caller's buffer when it is one chunk.
         self.own_block = lay.block_count == lay.own_count

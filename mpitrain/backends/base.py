@@ -98,6 +98,11 @@ class ArrayBackend(Protocol):
     def scope(self, obj: object, stream: Any = None) -> ContextManager[None]:
         """Run a collective on ``obj``'s device with ``stream`` (None: the current one)."""
 
+    def record(self, obj: object, stream: Any = None) -> Any:
+        """An event recorded now on ``stream`` (None: the current one) of ``obj``'s
+        device: its ``synchronize()`` returns once the work queued there so far (what
+        produces ``obj``) is done. ``None`` for host memory."""
+
     def device_id(self) -> int:
         """The current device number (plans are kept per device); -1 for host memory."""
 

@@ -2,7 +2,8 @@
 
 Asked once per process, in this order:
 
-1. ``MPITRAIN_CUDA_AWARE=0/1`` (see :mod:`mpitrain.config`) decides outright.
+1. ``MPITRAIN_CUDA_AWARE=0/1`` (a communicator's setting, :mod:`mpitrain.config`) decides
+   outright.
 2. The loaded ``libmpi`` is asked through ctypes: ``MPIX_Query_cuda_support()``
    (Open MPI's CUDA extension, MPICH 4) or ``MPIX_GPU_query_support(CUDA, &flag)``
    (MPICH 4.1+). A library without either symbol is not an error.
@@ -21,8 +22,6 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-
-from .. import config
 
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's enum value for CUDA in MPIX_GPU_query_support
 _OMPI_INFO_FLAG = re.compile(r"^mca:\w+:base:param:(?:mpi|opal)_built_with_cuda_support:"
@@ -122,14 +121,15 @@ def detected() -> Detection:
     return detect()
 
 
-def decision() -> Detection:
-    """The answer in force: ``MPITRAIN_CUDA_AWARE`` if set, else what :func:`detected` found."""
-    forced = config.CUDA_AWARE.get()
+def decision(forced: bool | None) -> Detection:
+    """The answer in force: ``forced`` (a communicator's ``MPITRAIN_CUDA_AWARE``) if not
+    ``None``, else what :func:`detected` found."""
     if forced is not None:
         return Detection(forced, f"MPITRAIN_CUDA_AWARE={int(forced)}")
     return detected()
 
 
-def mpi_accepts_device_pointers() -> bool:
-    """True if device buffers may be handed to MPI directly."""
-    return bool(decision().aware)
+def mpi_accepts_device_pointers(forced: bool | None) -> bool:
+    """True if device buffers may be handed to MPI directly (``forced``: as for
+    :func:`decision`)."""
+    return bool(decision(forced).aware)

@@ -229,6 +229,13 @@ class CupyBackend:
                 yield
                 chosen.synchronize()
 
+    def record(self, obj: object, stream: Any = None) -> Any:
+        """An event recorded now on ``stream`` (None: the current one) of ``obj``'s device."""
+        with self.asarray(obj).device:
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(as_stream(stream))
+        return event
+
     def device_id(self) -> int:
         """The current CUDA device."""
         return int(cupy.cuda.Device().id)

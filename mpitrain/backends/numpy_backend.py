@@ -156,6 +156,10 @@ class NumpyBackend:
         """Nothing to set up for host memory; ``stream`` is ignored."""
         return contextlib.nullcontext()
 
+    def record(self, obj: object, stream: Any = None) -> Any:
+        """Host memory is always ready: no event (``None``)."""
+        return None
+
     def device_id(self) -> int:
         """-1: host memory."""
         return -1

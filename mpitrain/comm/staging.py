@@ -20,23 +20,41 @@ kernel that consumes the segment is ordered after the copy without blocking the
 host. Slots are handed out first come, first served, and every step advances
 whatever can advance (:meth:`StagingTransport.progress`), so the copies of one
 segment overlap the MPI transfer of the next and the reduction of a third.
-``forward`` sends what a receive brought in straight from its pinned slot (the
-ring's all-gather phase), without a copy back from the device.
+
+``forward`` sends on what a receive brought in (the ring's all-gather phase). It never
+holds the receive's slot: a send above MPI's eager limit completes only once the peer
+has posted its receive, and a forward that held a receive slot until then would let
+every rank's receive slots be held by forwards that wait for a neighbour whose own
+slots are held the same way (the deadlock of 3 or more ranks with more segments per
+chunk than slots). Instead the bytes are copied, host to host, into a free send slot
+at once; with none free, the forward is an ordinary send of the device buffer (queued
+for a send slot, copied from the device when it gets one). So a receive slot is held
+only until its receive is waited for, and a send slot only by its own send.
+
+Every wait runs through the host transport's :meth:`~.transport.Transport.block`, so a
+rank stuck here is seen by the stall inspector (and, with a stall timeout, raises
+:class:`~mpitrain.StallError`) like one stuck in an MPI wait.
 
 Every request must be waited for; a receive keeps its slot until it has been.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
+import numpy as np
 from mpi4py import MPI
 
 from ..backends.device import Device, Event
 from ..errors import ArgumentError, MpitrainError
 from .transport import PeerTransport
+
+SYNCHRONOUS_SENDS = False
+"""Test knob: post the device transports' sends as ``MPI_Issend``, which completes only
+once the receiver has matched it, as every send above the eager limit does. Small test
+messages would otherwise always complete at once and hide waits on the receiver (read
+when a transport is made)."""
 
 
 class _Slot:
@@ -117,9 +135,10 @@ class StagedSend:
         self.copied.record(t.d2h)
         self.state = COPYING_IN
 
-    def start_from(self, slot: _Slot) -> None:
-        """Take ``slot``, which already holds the bytes (nothing to copy)."""
-        slot.users += 1
+    def start_from(self, slot: _Slot, data: Any) -> None:
+        """Copy ``data`` (host bytes, e.g. a receive slot's) into ``slot`` now: nothing
+        is left to copy from the device."""
+        np.copyto(slot.buf[:self.nbytes], data)
         self.slot = slot
         self.state = COPYING_IN
 
@@ -140,8 +159,8 @@ class StagedSend:
     def post(self) -> None:
         """Hand the slot's bytes to MPI."""
         assert self.slot is not None
-        self.mpi = self.transport.comm.Isend([self.slot.buf[:self.nbytes], MPI.BYTE],
-                                             self.dest, self.tag)
+        self.mpi = self.transport.post_send([self.slot.buf[:self.nbytes], MPI.BYTE],
+                                            self.dest, self.tag)
         self.state = IN_MPI
 
     def advance(self) -> bool:
@@ -264,7 +283,9 @@ class StagingTransport(_BlockingCalls):
         if slots < 1:
             raise ArgumentError(f"staging needs at least one pinned slot per direction, got "
                                 f"{slots}; set MPITRAIN_STAGING_SLOTS to 1 or more")
+        self.host = transport
         self.comm = transport.comm
+        self.post_send = self.comm.Issend if SYNCHRONOUS_SENDS else self.comm.Isend
         self.rank, self.size = transport.rank, transport.size
         self.left, self.right = transport.left, transport.right
         self.device = device
@@ -302,22 +323,30 @@ class StagingTransport(_BlockingCalls):
     def forward(self, request: Any, buf: Any, dest: int, tag: int) -> StagedRequest:
         """Send on what ``request`` (a waited receive) brought into ``buf``.
 
-        Sent straight from the receive's pinned slot while it still holds the bytes
-        (``buf`` must be the receive's destination, unchanged since), else copied from
-        ``buf`` like any send.
+        Copied host to host from the receive's pinned slot into a free send slot, if
+        the slot still holds the bytes (``buf`` must be the receive's destination,
+        unchanged since) and a send slot is free now; otherwise sent from ``buf`` like
+        any send. Either way the receive's slot is not held by the send (see the
+        module documentation).
         """
         if (isinstance(request, StagedRecv) and request.slot is not None
-                and request.nbytes == buf.nbytes):
-            op = StagedSend(self, buf, dest, tag)
-            op.start_from(request.slot)
-            self.unposted_sends.append(op)
-            self._admit()
-            return op
+                and request.nbytes == buf.nbytes and not self.unposted_sends):
+            slot = self.send_slots.take()
+            if slot is not None:
+                op = StagedSend(self, buf, dest, tag)
+                op.start_from(slot, request.slot.buf[:request.nbytes])
+                self.unposted_sends.append(op)
+                self._admit()
+                return op
         return self.isend(buf, dest, tag)
 
     def wait(self, request: StagedRequest) -> None:
         """Wait for one request."""
         request.Wait()
+
+    def block(self, done: Callable[[], bool]) -> None:
+        """Wait as the host transport waits (see :meth:`.Transport.block`)."""
+        self.host.block(done)
 
     def waitall(self, requests: Sequence[StagedRequest | None]) -> None:
         """Wait for every request that is not ``None``."""
@@ -326,10 +355,15 @@ class StagingTransport(_BlockingCalls):
                 request.Wait()
 
     def wait_for(self, op: StagedRequest, state: int) -> None:
-        """Advance everything until ``op`` reaches ``state``."""
-        while op.state < state:
-            if not self.progress():
-                os.sched_yield()
+        """Advance everything until ``op`` reaches ``state`` (a collective wait of the
+        host transport: the stall inspector sees it)."""
+        if op.state < state:
+            self.host.block(lambda: self._advanced(op, state))
+
+    def _advanced(self, op: StagedRequest, state: int) -> bool:
+        """Advance what can advance; True once ``op`` has reached ``state``."""
+        self.progress()
+        return op.state >= state
 
     def progress(self) -> bool:
         """Advance every request that can advance; True if any did."""
@@ -390,10 +424,15 @@ class DeviceDirectTransport(_BlockingCalls):
         self.event = device.new_event()
         self._transport = transport
         self.collective = transport.collective
+        self.post_send = self.comm.Issend if SYNCHRONOUS_SENDS else self.comm.Isend
 
     def wait(self, request: Any) -> None:
         """Wait for one request."""
         self._transport.wait(request)
+
+    def block(self, done: Callable[[], bool]) -> None:
+        """Wait as the host transport waits (see :meth:`.Transport.block`)."""
+        self._transport.block(done)
 
     def _settle(self) -> None:
         self.event.record(self.device.current_stream())
@@ -402,7 +441,7 @@ class DeviceDirectTransport(_BlockingCalls):
     def isend(self, buf: Any, dest: int, tag: int) -> MPI.Request:
         """Send device bytes ``buf`` once the current stream has produced them."""
         self._settle()
-        return self.comm.Isend(buf, dest, tag)
+        return self.post_send(buf, dest, tag)
 
     def irecv(self, buf: Any, source: int, tag: int) -> MPI.Request:
         """Receive into device bytes ``buf`` once the current stream is done with them."""
@@ -411,7 +450,7 @@ class DeviceDirectTransport(_BlockingCalls):
 
     def forward(self, request: Any, buf: Any, dest: int, tag: int) -> MPI.Request:
         """Send on what a completed receive wrote into ``buf``."""
-        return self.comm.Isend(buf, dest, tag)
+        return self.post_send(buf, dest, tag)
 
     def waitall(self, requests: Sequence[MPI.Request | None]) -> None:
         """Wait for every request that is not ``None``."""

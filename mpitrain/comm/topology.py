@@ -29,6 +29,7 @@ from typing import cast
 
 from mpi4py import MPI
 
+from .inspector import StallLimits
 from .transport import Transport
 
 
@@ -53,22 +54,25 @@ class Topology:
     cross: Transport
 
     @classmethod
-    def detect(cls, comm: MPI.Intracomm) -> Topology:
-        """Split ``comm`` by shared-memory node (collective over ``comm``)."""
+    def detect(cls, comm: MPI.Intracomm, stall: StallLimits | None = None) -> Topology:
+        """Split ``comm`` by shared-memory node (collective over ``comm``); ``stall``:
+        the stall limits of the two sub-transports (default: the environment's)."""
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        return cls._split(comm, cast(MPI.Intracomm, local))
+        return cls._split(comm, cast(MPI.Intracomm, local), stall)
 
     @classmethod
-    def from_node_ids(cls, comm: MPI.Intracomm, node_id: int) -> Topology:
+    def from_node_ids(cls, comm: MPI.Intracomm, node_id: int,
+                      stall: StallLimits | None = None) -> Topology:
         """Treat the ranks that pass the same ``node_id`` as one node (collective).
 
         For tests and experiments: it lets one host act as several nodes.
         """
         local = comm.Split(color=node_id, key=comm.Get_rank())
-        return cls._split(comm, cast(MPI.Intracomm, local))
+        return cls._split(comm, cast(MPI.Intracomm, local), stall)
 
     @classmethod
-    def _split(cls, comm: MPI.Intracomm, local: MPI.Intracomm) -> Topology:
+    def _split(cls, comm: MPI.Intracomm, local: MPI.Intracomm,
+               stall: StallLimits | None) -> Topology:
         rank = comm.Get_rank()
         # Every rank learns the lowest rank of every rank's node: that names the node.
         leaders = comm.allgather(local.allreduce(rank, op=MPI.MIN))
@@ -79,7 +83,7 @@ class Topology:
         node, local_rank = index[leaders[rank]], local.Get_rank()
         cross = cast(MPI.Intracomm, comm.Split(color=local_rank, key=node))
         return cls(tuple(tuple(m) for m in members), node, local_rank, local, cross,
-                   Transport(local), Transport(cross))
+                   Transport(local, stall), Transport(cross, stall))
 
     # -- this rank ----------------------------------------------------------------------
     @property

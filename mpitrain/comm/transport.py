@@ -20,6 +20,7 @@ so the transport is then *broken*: every later collective raises at once.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -78,6 +79,10 @@ class PeerTransport(Protocol):
     def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
                    *args: Any) -> None:
         """Run a native MPI collective on the private communicator."""
+
+    def block(self, done: Callable[[], bool]) -> None:
+        """Wait, as a collective wait, until ``done()`` (which advances the caller's own
+        requests) holds."""
 
 
 class Transport:
@@ -178,6 +183,27 @@ class Transport:
         self.waiting = True
         try:
             blocking(*args)
+        finally:
+            self.waiting = False
+
+    def block(self, done: Callable[[], bool]) -> None:
+        """Call ``done()`` until it returns True, yielding the core between calls: a wait
+        on requests that ``done`` advances itself (the device transports' staged
+        messages). Like :meth:`wait`, it raises :attr:`waiting`, so the stall inspector
+        reports it, and an interruptible transport raises StallError past the timeout.
+        """
+        if done():
+            return
+        self.waiting = True
+        try:
+            timeout = self.inspector.timeout_s if self.interruptible else 0.0
+            start = time.monotonic()
+            while not done():
+                os.sched_yield()
+                if timeout:
+                    waited = time.monotonic() - start
+                    if waited >= timeout:
+                        raise self.stalled(waited)
         finally:
             self.waiting = False
 

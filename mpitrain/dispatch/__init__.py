@@ -1,5 +1,6 @@
 """The dispatch layer: from a collective call to an algorithm's plan.
 
+* :mod:`.checks`: what a call accepts, checked once for the blocking and the async path;
 * :mod:`.selection`: the ordered table of rules that picks an algorithm per call;
 * :mod:`.policy`: how a plan's buffers reach MPI (host, CUDA-aware, staged);
 * :mod:`.dispatcher`: the :class:`Dispatcher`, which checks a call, picks its
@@ -9,9 +10,10 @@ It sits above :mod:`mpitrain.algorithms` and :mod:`mpitrain.comm`, and below the
 engine and the :class:`~mpitrain.Communicator` facade, which both own dispatchers.
 """
 
+from .checks import Call, Checks
 from .dispatcher import Dispatcher
-from .policy import device_policy, policy_for
-from .selection import DEFAULT_RULES, Rule, dump_rules, load_rules, select
+from .policy import device_policy
+from .selection import DEFAULT_RULES, Rule, Table, dump_rules, load_rules
 
-__all__ = ["DEFAULT_RULES", "Dispatcher", "Rule", "device_policy", "dump_rules", "load_rules",
-           "policy_for", "select"]
+__all__ = ["DEFAULT_RULES", "Call", "Checks", "Dispatcher", "Rule", "Table", "device_policy",
+           "dump_rules", "load_rules"]

@@ -4,7 +4,8 @@ A :class:`Dispatcher` owns one private duplicate of an MPI communicator (its
 :class:`~mpitrain.comm.transport.Transport`), the node's shared memory, the
 :class:`~mpitrain.comm.validation.Validator` and a cache of plans. For each call it
 
-1. checks the arguments locally (dtype, op, ``out``, ``root``): ``check_*``;
+1. checks the arguments locally (dtype, op, ``out``, ``root``) into a
+   :class:`~.checks.Call` (:class:`~.checks.Checks`, shared with the async engine);
 2. picks the algorithm: the requested one, else the selection table (:meth:`algorithm`);
 3. validates the call across ranks with its :class:`~mpitrain.comm.validation.Signature`
    (unless checking is off);
@@ -13,9 +14,17 @@ A :class:`Dispatcher` owns one private duplicate of an MPI communicator (its
 5. runs it and applies ``prescale_factor``/``postscale_factor`` (``Average`` is ``Sum``
    then a postscale of ``1/size``).
 
-:meth:`run_plan` is the one place where a call is validated and its plan run. The
-blocking methods of :class:`~mpitrain.Communicator` are these; the async engine owns
-a dispatcher of its own and calls the same methods from its progress thread.
+:meth:`execute` runs a checked call (steps 2-5); :meth:`run_plan` is the one place
+where a call is validated and its plan run. The blocking methods of
+:class:`~mpitrain.Communicator` are the public methods here (small host calls first try
+the fast path of :mod:`.fastpath`); the async engine owns a dispatcher of its own,
+checks each submission with the same :class:`~.checks.Checks`, and runs what every rank
+submitted through :meth:`execute` (or :meth:`allreduce_flat` for a fusion bucket)
+without validating again: its negotiation has compared the submissions.
+
+Everything the dispatcher reads of the configuration is in its
+:class:`~mpitrain.config.Settings` (read once per communicator; :meth:`configure`
+replaces it).
 
 Device arrays (CuPy, torch CUDA tensors, ...) take the same path: every collective
 accepts ``stream=`` (default: the current stream), runs on that stream and the
@@ -25,30 +34,30 @@ returning (:meth:`~mpitrain.backends.base.ArrayBackend.scope`).
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import algorithms, config
+from .. import algorithms
 from ..algorithms import Plan, PlanRequest
 from ..algorithms.chunks import bounds_from_counts, split_bounds
-from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_for, hostcopy
+from ..backends import NUMPY, ArrayBackend, hostcopy
 from ..comm import objects
 from ..comm import shm as shared
 from ..comm.inspector import StallLimits
 from ..comm.topology import Topology
 from ..comm.transport import Transport
 from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
-from ..dtypes import check_dtype, check_op_for_dtype, dtype_name
-from ..errors import ArgumentError, MpitrainError, UnsupportedError
+from ..config import AT_CREATION, SETTING_OF, Settings
+from ..dtypes import check_dtype, dtype_name
+from ..errors import ArgumentError, MismatchError, MpitrainError
 from ..ops import ReduceOp, parse_op
+from .checks import Call, Checks
 from .fastpath import SmallAllgather, SmallAllreduce, SmallCall, SmallReduceScatter, fits_out
-from .policy import policy_for
-from .selection import may_select, select
+from .policy import HOST, device_policy
+from .selection import Table
 
 Array = Any
 PLAN_CACHE_SIZE = 32
@@ -64,18 +73,17 @@ ARENA_BYTES = 8 << 20
 BARRIER = signature("barrier")
 """The signature of every barrier."""
 _Small = TypeVar("_Small", bound=SmallCall)
-_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
-def on_stream(method: _Method) -> _Method:
-    """Run a collective inside its array's backend scope (device and ``stream=``)."""
+def _variable(name: str) -> str:
+    """The variable of a setting (``tuning rules``: the tuning file's)."""
+    setting = SETTING_OF.get(name)
+    return setting.name if setting is not None else "MPITRAIN_TUNING_FILE contents"
 
-    @functools.wraps(method)
-    def scoped(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        with backend_for(x).scope(x, kwargs.get("stream")):
-            return method(self, x, *args, **kwargs)
 
-    return cast(_Method, scoped)
+def _shown(name: str, value: Any) -> str:
+    """A setting's value as a disagreement names it (rules: how many)."""
+    return f"{len(value)} rules" if name == "tuning rules" else repr(value)
 
 
 def row_size(shape: tuple[int, ...]) -> int:
@@ -92,116 +100,96 @@ class Dispatcher:
 
     Args:
         comm: any intracommunicator; the dispatcher duplicates it.
-        check: validate every call across ranks (default: ``MPITRAIN_CHECK``, on).
-        shared_memory: use shared-memory windows when every rank is on one node
-            (default: ``MPITRAIN_SHM``, on).
-        stall: the stall limits (default: ``MPITRAIN_STALL_*``).
+        settings: the communicator's settings (validation, shared memory, stall limits,
+            algorithm, segments, ...), read once; the ranks must agree on those of
+            :data:`~mpitrain.config.AGREED` (compared here: MismatchError on every rank).
     """
 
-    def __init__(self, comm: MPI.Intracomm, *, check: bool | None = None,
-                 shared_memory: bool | None = None, stall: StallLimits | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise ArgumentError(f"mpitrain.Communicator needs an MPI intracommunicator, got "
                                 f"{comm!r}")
+        stall = StallLimits(settings.stall_warning_s, settings.stall_timeout_s,
+                            settings.stall_action)
         self.transport = Transport(comm, stall)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.rank, self.size = self.transport.rank, self.transport.size
-        self.topology = Topology.detect(self.mpi_comm)
+        self.topology = Topology.detect(self.mpi_comm, stall)
         # Not under ULFM: a rank that dies is only noticed by MPI calls, never by a
         # shared-memory barrier, which would wait for it forever.
         self.shm = shared.create(self.mpi_comm, self.topology.local_size == self.size,
-                                 config.SHM.get(shared_memory) and not config.ELASTIC.get(),
-                                 SLOT_BYTES, ARENA_BYTES, config.SINGLE_COPY.get())
+                                 settings.shm and not settings.elastic, SLOT_BYTES, ARENA_BYTES,
+                                 settings.single_copy)
         if self.shm is not None:
             self.transport.watch(self.shm)
         self.validator = Validator(self.transport, self.shm)
-        self.check = check
+        self.checks = Checks(self.rank, self.size, self._check_algorithm)
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
-        # per kind: (dtype, shape, op, algorithm) -> (config.plan_texts() when planned,
-        # the plan or None)
-        self._small: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllreduce | None]] = {}
-        self._small_rs: dict[tuple[Any, ...],
-                             tuple[tuple[Any, ...], SmallReduceScatter | None]] = {}
-        self._small_ag: dict[tuple[Any, ...], tuple[tuple[Any, ...], SmallAllgather | None]] = {}
+        # per kind: (dtype, shape, op, algorithm) -> the plan, or None (the general path)
+        self._small: dict[tuple[Any, ...], SmallAllreduce | None] = {}
+        self._small_rs: dict[tuple[Any, ...], SmallReduceScatter | None] = {}
+        self._small_ag: dict[tuple[Any, ...], SmallAllgather | None] = {}
+        self.settings = settings
+        self.table = Table.load(settings.tuning_file)
+        self.device_policy = device_policy(settings)
+        self._agree(settings, self.table)
+
+    def configure(self, settings: Settings) -> None:
+        """Run every later call under ``settings`` (collective: the ranks must agree on
+        :data:`~mpitrain.config.AGREED`; the tuning file is read again). Cached plans
+        and choices are dropped.
+
+        Raises:
+            ArgumentError: ``settings`` changes one fixed at creation
+                (:data:`~mpitrain.config.AT_CREATION`).
+            MismatchError: on every rank, if the ranks' settings disagree.
+        """
+        fixed = [name for name in AT_CREATION
+                 if getattr(settings, name) != getattr(self.settings, name)]
+        table = Table.load(settings.tuning_file)
+        self._agree(settings, table, refused=", ".join(fixed))
+        if fixed:
+            raise ArgumentError(
+                f"rank {self.rank}: {', '.join(fixed)} cannot change on a communicator "
+                "(read when it is created); create a new mpitrain.Communicator with them")
+        self.settings, self.table = settings, table
+        self.device_policy = device_policy(settings)
+        for cache in (self._plans, self._available, self._choices, self._small,
+                      self._small_rs, self._small_ag):
+            cache.clear()
+
+    def _agree(self, settings: Settings, table: Table, refused: str = "") -> None:
+        """Compare the settings that must agree (and the tuning rules, and whether this
+        rank refuses the change: ``refused``) across ranks; MismatchError on every rank
+        naming the first difference. Every rank raises or none does."""
+        if self.size == 1:
+            return
+        self.transport.begin("settings agreement")
+        mine = ((*settings.agreed(), ("tuning rules", table.rules)), refused)
+        every = objects.allgather_object(self.transport, mine)
+        if any(r for _, r in every):
+            if refused:
+                return  # this rank raises ArgumentError itself
+            ranks = [r for r, (_, why) in enumerate(every) if why]
+            raise MismatchError(f"rank {self.rank}: configure() failed on rank(s) {ranks}, "
+                                f"which cannot change {every[ranks[0]][1]} (fixed when a "
+                                "communicator is created); no rank's settings changed")
+        for i, (name, value) in enumerate(mine[0]):
+            values = [theirs[0][i][1] for theirs in every]
+            if any(v != value for v in values):
+                shown = "; ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(values))
+                raise MismatchError(
+                    f"rank {self.rank}: the ranks of this communicator disagree on the "
+                    f"setting {name} ({shown}); every rank must run with the same "
+                    f"{_variable(name)} (or pass the same value to Communicator.configure)")
 
     @property
     def checking(self) -> bool:
-        """Whether calls are validated (the constructor's ``check``, else MPITRAIN_CHECK)."""
-        return self.check if self.check is not None else config.CHECK.get()
-
-    # -- argument checks (local: misuse raises on the rank that made it) ---------------
-    def check_reducible(self, arr: Array, op: ReduceOp) -> np.dtype[Any]:
-        """``arr``'s dtype, if it is supported and ``op`` can reduce it."""
-        dt = check_dtype(arr.dtype, rank=self.rank)
-        check_op_for_dtype(op, dt)
-        if op is ReduceOp.ADASUM:
-            self.check_adasum(arr)
-        return dt
-
-    def check_adasum(self, arr: Array) -> None:
-        """Raise unless Adasum can reduce ``arr`` here: host memory, and a power-of-two
-        number of ranks (Horovod's CPU Adasum refuses other counts too)."""
-        if self.size & (self.size - 1):
-            below = 1 << (self.size.bit_length() - 1)
-            raise UnsupportedError(
-                f"rank {self.rank}: op=Adasum needs a power-of-two number of ranks, but this "
-                f"communicator has {self.size}; run on {below} or {2 * below} ranks, or use "
-                "op=Average")
-        if backend_for(arr).is_device:
-            raise UnsupportedError(f"rank {self.rank}: op=Adasum reduces host arrays only, got "
-                                   f"a device {type(arr).__name__}; copy it to the host first "
-                                   "(cupy.asnumpy(x), tensor.cpu())")
-
-    def check_out(self, be: ArrayBackend, out: Array, shape: tuple[int, ...],
-                  dt: np.dtype[Any], what: str) -> Array:
-        """``out`` if it is a writeable C-contiguous ``dt`` array of ``shape``."""
-        if not be.owns(out) or tuple(out.shape) != tuple(shape) or out.dtype != dt:
-            raise ArgumentError(
-                f"rank {self.rank}: {what} out= must be a {dt}{list(shape)} array, got "
-                f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', []))}")
-        if not be.is_contiguous(out):
-            raise ArgumentError(f"rank {self.rank}: {what} out= must be C-contiguous; pass "
-                                "np.empty_like(x) or leave out= unset")
-        self.check_writeable(be, out, what)
-        return out
-
-    def check_writeable(self, be: ArrayBackend, arr: Array, what: str) -> None:
-        """Raise if ``what`` would write into a read-only ``arr``."""
-        if not be.is_writeable(arr):
-            raise ArgumentError(f"rank {self.rank}: {what} writes into its buffer, but the "
-                                "array is read-only; pass a writeable array or use the "
-                                "out-of-place variant")
-
-    def check_root(self, root: int) -> None:
-        """Raise if ``root`` is not a rank of this communicator."""
-        if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
-            raise ArgumentError(f"rank {self.rank}: root={root!r} is not a rank of this "
-                                f"communicator of size {self.size}; use 0..{self.size - 1}")
-
-    def check_gathered_rows(self, total: int, rows: Sequence[int],
-                            trailing: tuple[int, ...]) -> None:
-        """Raise if an allgather ``out=`` of ``total`` rows cannot hold ``rows``."""
-        if total != sum(rows):
-            raise ArgumentError(
-                f"rank {self.rank}: allgather out= has {total} rows, but the ranks send "
-                f"{sum(rows)} rows in all ({list(rows)}); pass an array of shape "
-                f"{(sum(rows), *trailing)}")
-
-    def check_algorithm(self, collective: str, algorithm: Any, be: ArrayBackend,
-                        dt: np.dtype[Any]) -> str | None:
-        """The requested algorithm name, lower-cased and checked (raises if this
-        dispatcher cannot run it); ``None`` if none was requested."""
-        if algorithm is None:
-            return None
-        if not isinstance(algorithm, str):
-            raise ArgumentError(f"rank {self.rank}: algorithm must be a name (a string) or "
-                                f"None, got {algorithm!r}")
-        name = algorithm.lower()
-        if name != "auto":
-            self.algorithm(collective, name, 0, be, dt)
-        return name
+        """Whether calls are validated (``MPITRAIN_CHECK``, or the communicator's
+        ``check=``)."""
+        return self.settings.check
 
     # -- algorithm choice --------------------------------------------------------------
     def algorithms(self, collective: str) -> list[str]:
@@ -224,6 +212,11 @@ class Dispatcher:
             self._available[key] = names
         return names
 
+    def _check_algorithm(self, collective: str, name: str, be: ArrayBackend,
+                         dt: np.dtype[Any]) -> None:
+        """Raise unless this dispatcher can run the algorithm ``name`` for such a call."""
+        self.algorithm(collective, name, 0, be, dt)
+
     def algorithm(self, collective: str, requested: str | None, nbytes: int,
                   be: ArrayBackend, dt: np.dtype[Any]) -> str:
         """The algorithm of a call: the requested one, or the selection table's choice.
@@ -232,10 +225,10 @@ class Dispatcher:
         cannot run falls back to the table; a name passed as ``algorithm=`` raises.
         Memoized: the same arguments always give the same name.
         """
-        name = requested or config.ALGORITHM.get()
-        key = (collective, name, requested is None, nbytes, dt, be.name, config.TUNING_FILE.get())
+        key = (collective, requested, nbytes, dt, be.name)
         choice = self._choices.get(key)
         if choice is None:
+            name = requested or self.settings.algorithm
             choice = self._choose(collective, name.lower(), requested is None, nbytes, be, dt)
             if len(self._choices) >= 1024:
                 self._choices.clear()
@@ -248,8 +241,8 @@ class Dispatcher:
         if name in available or (self.size == 1 and name in algorithms.ALGORITHMS[collective]):
             return name
         if name == "auto" or (from_env and name in algorithms.KNOWN):
-            return select(collective, nbytes, self.size, be.name, available, dtype_name(dt),
-                          self.topology.node_count)
+            return self.table.select(collective, nbytes, self.size, be.name, available,
+                                     dtype_name(dt), self.topology.node_count)
         if name in algorithms.ALGORITHMS[collective]:
             raise ArgumentError(f"rank {self.rank}: the {name} {collective} needs every rank "
                                 "on one node and host (numpy) buffers; use algorithm='auto'")
@@ -266,6 +259,31 @@ class Dispatcher:
         name = self.algorithm("allreduce", algorithm, nbytes, be, dt)
         return algorithms.REGISTRY["allreduce"][name].takes_pieces
 
+    # -- checked calls -----------------------------------------------------------------
+    def execute(self, call: Call, arr: Array, *, out: Array | None = None,
+                name: str | None = None, stream: Any = None, validate: bool = True) -> Array:
+        """Run a checked call (:class:`~.checks.Call`) on ``arr``, the array of its input
+        (for an in-place call, the one to write into), inside the backend's stream scope.
+
+        The one entry point of every blocking call's general path and of every
+        operation the async engine runs alone (a fused bucket goes to
+        :meth:`allreduce_flat`). ``out``: an array to write the result into (checked
+        here; allreduce, reduce_scatter, allgather). ``validate``: compare the call
+        across ranks first (when checking is on); the engine passes ``False``, because
+        its negotiation has compared every rank's submission of the operation already.
+
+        Returns:
+            The result: ``arr`` in place (or ``out``), else a new array.
+        """
+        with call.backend.scope(arr, stream):
+            if call.collective == "allreduce":
+                return self._allreduce(call, arr, out, name, validate)
+            if call.collective == "reduce_scatter":
+                return self._reduce_scatter(call, arr, out, name, validate)
+            if call.collective == "allgather":
+                return self._allgather(call, arr, out, name, validate)
+            return self._broadcast(call, arr, name, validate)
+
     # -- allreduce ---------------------------------------------------------------------
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -276,13 +294,33 @@ class Dispatcher:
                 and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            entry = self._small.get((x.dtype, x.shape, op, algorithm))  # small_allreduce()
-            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+            key = (x.dtype, x.shape, op, algorithm)
+            small = self._small[key] if key in self._small else \
                 self.small_allreduce(x, op, algorithm)
             if small is not None and (out is None or fits_out(out, x.shape, x.dtype)):
                 return small.allreduce(x, out)
-        return self._allreduce(x, op, algorithm, prescale_factor, postscale_factor, out, name,
-                               stream=stream)
+        be, arr = self.checks.array(x, "allreduce", False)
+        call = self.checks.reduction("allreduce", be, arr, op, prescale_factor,
+                                     postscale_factor, algorithm)
+        return self.execute(call, arr, out=out, name=name, stream=stream)
+
+    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                   algorithm: str | None = None, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, name: str | None = None, *,
+                   stream: Any = None) -> Array:
+        """See :meth:`mpitrain.Communicator.allreduce_`."""
+        if (type(x) is np.ndarray and name is None
+                and (algorithm is None or type(algorithm) is str)
+                and prescale_factor == 1.0 and postscale_factor == 1.0
+                and (type(op) is ReduceOp or type(op) is str)):
+            small = self.small_allreduce(x, op, algorithm)
+            if small is not None and x.flags.writeable:
+                return small.allreduce(x, x)
+        be, arr = self.checks.array(x, "allreduce_", True)
+        call = self.checks.reduction("allreduce", be, arr, op, prescale_factor,
+                                     postscale_factor, algorithm, inplace=True)
+        self.execute(call, arr, name=name, stream=stream)
+        return x
 
     def small_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
                         algorithm: str | None = None) -> SmallAllreduce | None:
@@ -291,24 +329,22 @@ class Dispatcher:
         arguments, made on first use; ``None`` if the call needs the general path."""
         return self._small_plan(self._small, SmallAllreduce, x, op, algorithm)
 
-    def _small_plan(self, cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Small | None]],
-                    kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str | None,
+    def _small_plan(self, cache: dict[tuple[Any, ...], _Small | None], kind: type[_Small],
+                    x: np.ndarray[Any, Any], op: ReduceOp | str | None,
                     algorithm: str | None) -> _Small | None:
-        """The plan of ``kind`` for the call in ``cache`` while the configuration texts
-        it was made under still hold, else a new one (remembered, ``None`` included)."""
-        texts = config.plan_texts()
+        """The plan of ``kind`` for the call in ``cache``, else a new one (remembered,
+        ``None`` included)."""
         key = (x.dtype, x.shape, op, algorithm)
-        entry = cache.get(key)
-        if entry is not None and entry[0] == texts:
-            return entry[1]
-        small = self._plan_small(kind, x, op, algorithm, texts)
+        if key in cache:
+            return cache[key]
+        small = self._plan_small(kind, x, op, algorithm)
         if len(cache) >= SMALL_CACHE_SIZE:
             cache.clear()
-        cache[key] = (texts, small)
+        cache[key] = small
         return small
 
     def _plan_small(self, kind: type[_Small], x: np.ndarray[Any, Any], op: ReduceOp | str | None,
-                    algorithm: str | None, texts: tuple[Any, ...]) -> _Small | None:
+                    algorithm: str | None) -> _Small | None:
         """A new fast-path plan of ``kind`` (:mod:`.fastpath`) for ``x``, or ``None`` where
         the call needs the general path (which also raises for invalid input).
 
@@ -325,92 +361,62 @@ class Dispatcher:
                 rop = op if type(op) is ReduceOp else parse_op(op)
                 if rop is ReduceOp.ADASUM:
                     return None
-                dt = self.check_reducible(x, rop)
+                dt = self.checks.reducible(x, rop)
                 total = x.size * dt.itemsize
             alg = self.algorithm(kind.collective, algorithm, total, NUMPY, dt)
         except MpitrainError:
             return None
         shape = tuple(x.shape)
         if self.size == 1:
-            return kind(self.transport, None, self.validator, dt, shape, rop, None, texts)
-        shm, segment = self.shm, config.SEGMENT_BYTES.get()
+            return kind(self.transport, None, self.validator, dt, shape, rop, None)
+        shm, segment = self.shm, self.settings.segment_bytes
         if alg != "shm" or shm is None or x.size * dt.itemsize > shm.slot_bytes or \
                 (segment and total > segment):
             return None
         if rop is None:
             # the general path's signature: the trailing shape and the requested name
-            if shm.single_copy and may_select("allgather", "single_copy"):
+            if shm.single_copy and self.table.may_select("allgather", "single_copy"):
                 return None  # a table that may pick it needs every rank's block address
             sig: Signature | None = signature(
                 kind.collective, "", dtype_name(dt), shape[1:], True, -1, 1.0, 1.0, "",
-                (algorithm or config.ALGORITHM.get()).lower())
+                (algorithm or self.settings.algorithm).lower())
         else:
             sig = signature(kind.collective, rop.value, dtype_name(dt), shape or (x.size,),
                             False, -1, 1.0, 1.0, "", alg) if self.checking else None
-        return kind(self.transport, shm, self.validator, dt, shape, rop, sig, texts)
+        return kind(self.transport, shm, self.validator, dt, shape, rop, sig)
 
-    @on_stream
-    def _allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
-                   algorithm: str | None = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0, out: Array | None = None,
-                   name: str | None = None, *, stream: Any = None) -> Array:
-        be, arr = backend_and_array(x)
-        rop = op if type(op) is ReduceOp else parse_op(op)
-        dt = self.check_reducible(arr, rop)
+    def _allreduce(self, call: Call, arr: Array, out: Array | None, name: str | None,
+                   validate: bool) -> Array:
+        be, dt, op = call.backend, call.dtype, call.op
+        assert op is not None
+        if call.inplace:
+            work = be.ascontiguous(arr)
+            flat = be.flat(work)
+            self.allreduce_flat(be, flat, flat, dt, op, call.algorithm, call.prescale,
+                                call.postscale, name, arr.shape, validate)
+            if work is not arr:
+                be.copy_into(arr, work)
+            return arr
         if out is None:
             result = be.empty_like(arr) if be.is_contiguous(arr) else be.empty(arr.size, dt) \
                 .reshape(arr.shape)
         else:
-            result = self.check_out(be, out, arr.shape, dt, "allreduce")
+            result = self.checks.out(be, out, arr.shape, dt, "allreduce")
         src = be.ascontiguous(arr)
-        self.allreduce_flat(be, be.flat(src), be.flat(result), dt, rop, algorithm,
-                            prescale_factor, postscale_factor, name, arr.shape)
+        self.allreduce_flat(be, be.flat(src), be.flat(result), dt, op, call.algorithm,
+                            call.prescale, call.postscale, name, arr.shape, validate)
         return result
-
-    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
-                   algorithm: str | None = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0, name: str | None = None, *,
-                   stream: Any = None) -> Array:
-        """See :meth:`mpitrain.Communicator.allreduce_`."""
-        if (type(x) is np.ndarray and name is None
-                and (algorithm is None or type(algorithm) is str)
-                and prescale_factor == 1.0 and postscale_factor == 1.0
-                and (type(op) is ReduceOp or type(op) is str)):
-            small = self.small_allreduce(x, op, algorithm)
-            if small is not None and x.flags.writeable:
-                return small.allreduce(x, x)
-        return self._allreduce_(x, op, algorithm, prescale_factor, postscale_factor, name,
-                                stream=stream)
-
-    @on_stream
-    def _allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
-                    algorithm: str | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, name: str | None = None, *,
-                    stream: Any = None) -> Array:
-        be, arr = backend_and_array(x)
-        if not be.writes_through(arr, x):
-            raise ArgumentError(f"rank {self.rank}: allreduce_ needs an array to write into, "
-                                f"got {type(x).__name__}; use allreduce() instead")
-        rop = op if type(op) is ReduceOp else parse_op(op)
-        dt = self.check_reducible(arr, rop)
-        self.check_writeable(be, arr, "allreduce_")
-        work = be.ascontiguous(arr)
-        flat = be.flat(work)
-        self.allreduce_flat(be, flat, flat, dt, rop, algorithm, prescale_factor,
-                            postscale_factor, name, arr.shape)
-        if work is not arr:
-            be.copy_into(arr, work)
-        return x
 
     def allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                        op: ReduceOp, algorithm: str | None, prescale: float,
                        postscale: float, name: str | None = None,
-                       shape: tuple[int, ...] | None = None) -> str:
-        """Allreduce of flat contiguous arrays, with no argument checks (the entry point
-        of fused buffers, which may be :class:`~mpitrain.algorithms.pieces.Pieces`
+                       shape: tuple[int, ...] | None = None, validate: bool = True) -> str:
+        """Allreduce of flat contiguous arrays of a checked call (the entry point of
+        fused buffers too, which may be :class:`~mpitrain.algorithms.pieces.Pieces`
         where :meth:`takes_pieces` says so).
 
-        ``name`` and ``shape`` (default: the flat shape) only enter validation.
+        ``name`` and ``shape`` (default: the flat shape) only enter validation, which
+        runs if ``validate`` and checking is on.
 
         Returns:
             The name of the algorithm that ran.
@@ -422,7 +428,7 @@ class Dispatcher:
             src = out
         count = src.size
         if op is ReduceOp.ADASUM:
-            alg = self.adasum_algorithm(algorithm)
+            alg = algorithms.ADASUM
         else:
             alg = self.algorithm("allreduce", algorithm, count * dt.itemsize, be, dt)
         if n == 1:
@@ -430,18 +436,11 @@ class Dispatcher:
         else:
             self.transport.begin("allreduce")
             sig = signature("allreduce", op.value, dtype_name(dt), shape or (count,), False, -1,
-                            prescale, postscale, name or "", alg) if self.checking else None
+                            prescale, postscale, name or "", alg) \
+                if validate and self.checking else None
             self.run_plan("allreduce", alg, be, dt, op.reduction, (count,), 0, sig, src, out,
                           scale)
         return alg
-
-    def adasum_algorithm(self, requested: str | None) -> str:
-        """The algorithm of an Adasum allreduce: its own, whatever ``MPITRAIN_ALGORITHM``
-        says; ``algorithm=`` may only be ``None`` or ``"auto"``."""
-        if requested is not None and requested.lower() != "auto":
-            raise ArgumentError(f"rank {self.rank}: op=Adasum runs its own algorithm, not "
-                                f"{requested!r}; leave algorithm unset (or 'auto')")
-        return algorithms.ADASUM
 
     # -- reduce-scatter ----------------------------------------------------------------
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
@@ -453,13 +452,15 @@ class Dispatcher:
                 and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            entry = self._small_rs.get((x.dtype, x.shape, op, algorithm))
-            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+            key = (x.dtype, x.shape, op, algorithm)
+            small = self._small_rs[key] if key in self._small_rs else \
                 self.small_reduce_scatter(x, op, algorithm)
             if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
                 return small.reduce_scatter(x, out)
-        return self._reduce_scatter(x, op, algorithm, prescale_factor, postscale_factor, name,
-                                    out=out, stream=stream)
+        be, arr = self.checks.array(x, "reduce_scatter", False)
+        call = self.checks.reduction("reduce_scatter", be, arr, op, prescale_factor,
+                                     postscale_factor, algorithm)
+        return self.execute(call, arr, out=out, name=name, stream=stream)
 
     def small_reduce_scatter(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
                              algorithm: str | None = None) -> SmallReduceScatter | None:
@@ -468,42 +469,32 @@ class Dispatcher:
         use; ``None`` if the call needs the general path."""
         return self._small_plan(self._small_rs, SmallReduceScatter, x, op, algorithm)
 
-    @on_stream
-    def _reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
-                        algorithm: str | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, name: str | None = None, *,
-                        out: Array | None = None, stream: Any = None) -> Array:
-        be, arr = backend_and_array(x)
-        rop = op if type(op) is ReduceOp else parse_op(op)
-        if rop is ReduceOp.ADASUM:
-            raise UnsupportedError(f"rank {self.rank}: op=Adasum is an allreduce only (as in "
-                                   "Horovod); use allreduce(x, op=Adasum), or reduce_scatter "
-                                   "with op=Sum or Average")
-        dt = self.check_reducible(arr, rop)
-        if arr.ndim == 0:
-            raise ArgumentError(f"rank {self.rank}: reduce_scatter splits axis 0, but got a "
-                                "0-d array; pass x.reshape(1) or a larger array")
+    def _reduce_scatter(self, call: Call, arr: Array, out: Array | None, name: str | None,
+                        validate: bool) -> Array:
+        be, dt, rop = call.backend, call.dtype, call.op
+        assert rop is not None
         row = row_size(arr.shape)
         n, count = self.size, arr.size
         rows, extra = divmod(arr.shape[0], n)
         mine = rows + (self.rank < extra)
         shape = (mine, *tuple(arr.shape[1:]))
         result = be.empty(mine * row, dt) if out is None else \
-            be.flat(self.check_out(be, out, shape, dt, "reduce_scatter"))
+            be.flat(self.checks.out(be, out, shape, dt, "reduce_scatter"))
         src = be.flat(be.ascontiguous(arr))
-        scale = postscale_factor / n if rop is ReduceOp.AVERAGE else postscale_factor
-        if prescale_factor != 1.0:
+        prescale, postscale = call.prescale, call.postscale
+        scale = postscale / n if rop is ReduceOp.AVERAGE else postscale
+        if prescale != 1.0:
             scaled = be.empty(src.size, dt)
-            be.scale_into(scaled, src, prescale_factor)
+            be.scale_into(scaled, src, prescale)
             src = scaled
-        alg = self.algorithm("reduce_scatter", algorithm, count * dt.itemsize, be, dt)
+        alg = self.algorithm("reduce_scatter", call.algorithm, count * dt.itemsize, be, dt)
         if n == 1:
             be.scale_into(result, src, scale)
         else:
             self.transport.begin("reduce_scatter")
             sig = signature("reduce_scatter", rop.value, dtype_name(dt), arr.shape, False, -1,
-                            prescale_factor, postscale_factor, name or "", alg) \
-                if self.checking else None
+                            prescale, postscale, name or "", alg) \
+                if validate and self.checking else None
             self.run_plan("reduce_scatter", alg, be, dt, rop.reduction, (count, row), 0, sig,
                           src, result, scale)
         return result.reshape(shape) if out is None else out
@@ -514,8 +505,8 @@ class Dispatcher:
         """See :meth:`mpitrain.Communicator.allgather`."""
         if (type(x) is np.ndarray and name is None and stream is None
                 and (algorithm is None or type(algorithm) is str)):
-            entry = self._small_ag.get((x.dtype, x.shape, None, algorithm))
-            small = entry[1] if entry is not None and entry[0] == config.plan_texts() else \
+            key = (x.dtype, x.shape, None, algorithm)
+            small = self._small_ag[key] if key in self._small_ag else \
                 self.small_allgather(x, algorithm)
             if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
                 result = small.allgather(x, out)
@@ -525,7 +516,9 @@ class Dispatcher:
                 total = -1 if out is None else small.out_shape[0]
                 return self._gathered(NUMPY, np.ascontiguousarray(x).reshape(-1),
                                       small.shape[1:], small.dtype, algorithm, out, total)
-        return self._allgather(x, algorithm, name, out=out, stream=stream)
+        be, arr = self.checks.array(x, "allgather", False)
+        call = self.checks.allgather(be, arr, algorithm)
+        return self.execute(call, arr, out=out, name=name, stream=stream)
 
     def small_allgather(self, x: np.ndarray[Any, Any],
                         algorithm: str | None = None) -> SmallAllgather | None:
@@ -534,11 +527,9 @@ class Dispatcher:
         ``None`` if the call needs the general path."""
         return self._small_plan(self._small_ag, SmallAllgather, x, None, algorithm)
 
-    @on_stream
-    def _allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
-                   out: Array | None = None, stream: Any = None) -> Array:
-        be, arr = backend_and_array(x)
-        dt = check_dtype(arr.dtype, rank=self.rank)
+    def _allgather(self, call: Call, arr: Array, out: Array | None, name: str | None,
+                   validate: bool) -> Array:
+        be, dt, algorithm = call.backend, call.dtype, call.algorithm
         if arr.ndim == 0:
             arr = arr.reshape(1)
         block = be.flat(be.ascontiguous(arr))
@@ -546,21 +537,22 @@ class Dispatcher:
         total = -1  # the rows of out=, which every rank must agree on
         if out is not None:
             total = int(out.shape[0]) if getattr(out, "ndim", 0) else -1
-            self.check_out(be, out, (total, *trailing), dt, "allgather")
+            self.checks.out(be, out, (total, *trailing), dt, "allgather")
         if self.size == 1:
             self.algorithm("allgather", algorithm, block.size * dt.itemsize, be, dt)
             if out is None:
                 return be.ascontiguous(arr).copy()
-            self.check_gathered_rows(total, (arr.shape[0],), trailing)
+            self.checks.gathered_rows(total, (arr.shape[0],), trailing)
             be.copy_into(out, arr)
             return out
-        requested = (algorithm or config.ALGORITHM.get()).lower()
+        requested = (algorithm or self.settings.algorithm).lower()
         self.transport.begin("allgather")
         # With out=, its row count joins the agreed shape: ranks that disagree fail
         # together here, and ranks that agree all check it against the gathered rows.
+        # The exchange runs either way: it carries every rank's row count.
         agreed = trailing if out is None else (total, *trailing)
         sig = signature("allgather", "", dtype_name(dt), agreed, True, -1, 1.0, 1.0, name or "",
-                        requested)
+                        requested) if validate else None
         # a small block rides the exchange in this rank's shared-memory slot, where the
         # call would run shm if every rank sent as many rows (ShmAllgather reads the
         # slots only if every rank's block is there)
@@ -571,7 +563,8 @@ class Dispatcher:
         # where the others may read the block, if the call may run single_copy
         address = hostcopy.address(block) \
             if self.shm is not None and self.shm.single_copy and be is NUMPY and (
-                requested == "single_copy" or may_select("allgather", "single_copy")) else 0
+                requested == "single_copy"
+                or self.table.may_select("allgather", "single_copy")) else 0
         self.validator.exchange(sig, rows=arr.shape[0], payload=payload, address=address)
         return self._gathered(be, block, trailing, dt, algorithm, out, total)
 
@@ -585,49 +578,47 @@ class Dispatcher:
         row = row_size((1, *trailing))
         counts = tuple(r * row for r in rows)
         if out is not None:  # total and rows are the same on every rank: all raise
-            self.check_gathered_rows(total, rows, trailing)
+            self.checks.gathered_rows(total, rows, trailing)
         result = be.empty(sum(counts), dt) if out is None else be.flat(out)
         alg = self.algorithm("allgather", algorithm, sum(counts) * dt.itemsize, be, dt)
         self.run_plan("allgather", alg, be, dt, None, counts, 0, None, block, result)
         return result.reshape((sum(rows), *trailing)) if out is None else out
 
     # -- broadcast ---------------------------------------------------------------------
-    @on_stream
     def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None,
                   name: str | None = None, *, stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.broadcast`."""
-        be, arr = backend_and_array(x)
-        out = be.empty(arr.size, check_dtype(arr.dtype, rank=self.rank)).reshape(arr.shape)
-        if self.rank == root:
-            be.copy_into(out, arr)
-        self._broadcast_into(be, out, root, algorithm, name)
-        return out
+        be, arr = self.checks.array(x, "broadcast", False)
+        call = self.checks.broadcast(be, arr, root, algorithm)
+        return self.execute(call, arr, name=name, stream=stream)
 
-    @on_stream
     def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
                    name: str | None = None, *, stream: Any = None) -> Array:
         """See :meth:`mpitrain.Communicator.broadcast_`."""
-        be, arr = backend_and_array(x)
-        check_dtype(arr.dtype, rank=self.rank)
-        self.check_writeable(be, arr, "broadcast_")
-        work = be.ascontiguous(arr)
-        self._broadcast_into(be, work, root, algorithm, name)
-        if work is not arr:
-            be.copy_into(arr, work)
+        be, arr = self.checks.array(x, "broadcast_", True)
+        call = self.checks.broadcast(be, arr, root, algorithm, inplace=True)
+        self.execute(call, arr, name=name, stream=stream)
         return x
 
-    def _broadcast_into(self, be: ArrayBackend, buf: Array, root: int,
-                        algorithm: str | None, name: str | None) -> None:
-        self.check_root(root)
-        dt, count = buf.dtype, buf.size
-        alg = self.algorithm("broadcast", algorithm, count * dt.itemsize, be, dt)
-        if self.size == 1:
-            return
-        self.transport.begin("broadcast")
-        sig = signature("broadcast", "", dtype_name(dt), buf.shape, False, int(root), 1.0, 1.0,
-                        name or "", alg) if self.checking else None
-        flat = be.flat(buf)
-        self.run_plan("broadcast", alg, be, dt, None, (count,), int(root), sig, flat, flat)
+    def _broadcast(self, call: Call, arr: Array, name: str | None, validate: bool) -> Array:
+        be, dt = call.backend, call.dtype
+        if call.inplace:
+            buf = be.ascontiguous(arr)
+        else:
+            buf = be.empty(arr.size, dt).reshape(arr.shape)
+            if self.rank == call.root:
+                be.copy_into(buf, arr)
+        count = buf.size
+        alg = self.algorithm("broadcast", call.algorithm, count * dt.itemsize, be, dt)
+        if self.size > 1:
+            self.transport.begin("broadcast")
+            sig = signature("broadcast", "", dtype_name(dt), buf.shape, False, call.root, 1.0,
+                            1.0, name or "", alg) if validate and self.checking else None
+            flat = be.flat(buf)
+            self.run_plan("broadcast", alg, be, dt, None, (count,), call.root, sig, flat, flat)
+        if call.inplace and buf is not arr:
+            be.copy_into(arr, buf)
+        return arr if call.inplace else buf
 
     # -- objects and synchronisation ---------------------------------------------------
     def barrier(self) -> None:
@@ -644,7 +635,7 @@ class Dispatcher:
         if self.size == 1:
             return
         self.transport.begin(collective)
-        checking = self.check if self.check is not None else config.CHECK.get()
+        checking = self.settings.check
         if checking or self.shm is not None:  # the exchange is itself a barrier
             self.validator.meet((sig or signature(collective)) if checking else None)
         else:
@@ -652,7 +643,7 @@ class Dispatcher:
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """See :meth:`mpitrain.Communicator.broadcast_object`."""
-        self.check_root(root)
+        self.checks.root(root)
         self.transport.begin("broadcast_object")
         if self.size > 1 and self.checking:
             self.validator.check(signature("broadcast_object", root=int(root)))
@@ -697,18 +688,19 @@ class Dispatcher:
     def plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
              op: ReduceOp | None, shape: tuple[int, ...], root: int = 0) -> Plan:
         """The cached plan of ``name`` for this call's shape, built on first use."""
-        configured = config.SEGMENT_BYTES.get()
-        policy = policy_for(be)
-        key = (collective, name, be.name, be.device_id(), policy.name, dt, op, shape, root,
-               configured, config.INTER_SEGMENT_BYTES.get(), config.CROSS_RANKS.get())
+        policy = self.device_policy if be.is_device else HOST
+        key = (collective, name, be.name, be.device_id(), dt, op, shape, root)
         plan = self._plans.get(key)
         if plan is None:
             if collective == "allgather":
                 chunks = bounds_from_counts(list(shape))
             else:
                 chunks = split_bounds(shape[0], self.size, shape[1] if len(shape) > 1 else 1)
+            settings = self.settings
             request = PlanRequest(self.transport, self.topology, be, dt, op, tuple(chunks), root,
-                                  configured, self.shm, self.validator, select)
+                                  settings.segment_bytes, self.shm, self.validator,
+                                  self.table.select, settings.inter_segment_bytes,
+                                  settings.cross_ranks)
             plan = policy.build(collective, name, request)
             self._plans[key] = plan
             if len(self._plans) > PLAN_CACHE_SIZE:

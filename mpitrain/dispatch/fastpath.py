@@ -35,11 +35,10 @@ exchange, and ranks that disagree raise :class:`~mpitrain.MismatchError` on ever
 The stall inspector, which watches the transport's collective count and waiting flag,
 sees the same :meth:`~mpitrain.comm.transport.Transport.begin` and barrier waits.
 
-A plan records :func:`mpitrain.config.plan_texts` when it is made; a call whose texts
-differ (``MPITRAIN_ALGORITHM``, ``MPITRAIN_CHECK``, ``MPITRAIN_TUNING_FILE`` or
-``MPITRAIN_SEGMENT_BYTES`` changed) plans again. Everything else (device arrays, array
-subclasses, ``out=`` arrays the general path would refuse, other algorithms, larger
-arrays) takes the general path.
+Plans are made under the communicator's settings (:class:`~mpitrain.config.Settings`)
+and dropped when :meth:`~mpitrain.Communicator.configure` changes them. Everything else
+(device arrays, array subclasses, ``out=`` arrays the general path would refuse, other
+algorithms, larger arrays) takes the general path.
 """
 
 from __future__ import annotations
@@ -88,8 +87,8 @@ class SmallCall:
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
-                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
-        self.transport, self.validator, self.texts = transport, validator, texts
+                 sig: Signature | None) -> None:
+        self.transport, self.validator = transport, validator
         self.dtype, self.shape, self.sig = dtype, shape, sig
         self.fingerprint = sig.fingerprint if sig is not None else 0
         n = self.size = transport.size
@@ -131,8 +130,8 @@ class SmallReduction(SmallCall):
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
-                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
-        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+                 sig: Signature | None) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig)
         if op is None:
             raise ValueError(f"a {self.collective} plan needs an op")
         self.ufunc = compiled_reduction(op) if hostcopy.reduces16(dtype) else UFUNCS[op]
@@ -150,15 +149,14 @@ class SmallAllreduce(SmallReduction):
         shape: the caller's shape: the result gets it.
         op: the reduction; ``Average`` scales the sum by ``1/size``.
         sig: the call's signature, or ``None`` when calls are not validated.
-        texts: :func:`mpitrain.config.plan_texts` when the plan was made.
     """
 
     collective = "allreduce"
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
-                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
-        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+                 sig: Signature | None) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig)
         # a 0-d ufunc result is a scalar, not an array: give those an output array
         self.allocates = len(shape) > 0
         # slots[p][q]: rank q's slot at parity p, in the caller's shape
@@ -219,8 +217,8 @@ class SmallReduceScatter(SmallReduction):
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
-                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
-        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+                 sig: Signature | None) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig)
         r, row = transport.rank, int(np.prod(shape[1:], dtype=np.int64))
         rows, extra = divmod(shape[0], self.size)
         mine = rows + (r < extra)
@@ -269,8 +267,8 @@ class SmallAllgather(SmallCall):
 
     def __init__(self, transport: Transport, shm: SharedMemory | None, validator: Validator,
                  dtype: np.dtype[Any], shape: tuple[int, ...], op: ReduceOp | None,
-                 sig: Signature | None, texts: tuple[Any, ...]) -> None:
-        super().__init__(transport, shm, validator, dtype, shape, op, sig, texts)
+                 sig: Signature | None) -> None:
+        super().__init__(transport, shm, validator, dtype, shape, op, sig)
         n, r, rows = self.size, transport.rank, shape[0]
         self.rows = rows
         self.out_shape = (n * rows, *shape[1:])

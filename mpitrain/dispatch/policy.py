@@ -15,7 +15,8 @@
   staging and the baseline to compare with.
 
 Which of the two device policies applies is found once per process
-(:mod:`mpitrain.backends.cuda_aware`; ``MPITRAIN_CUDA_AWARE`` overrides it).
+(:mod:`mpitrain.backends.cuda_aware`); a communicator's ``MPITRAIN_CUDA_AWARE`` setting
+overrides it (:func:`device_policy`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import algorithms, config
+from .. import algorithms
 from ..algorithms import Plan, PlanRequest
 from ..algorithms.chunks import segment_count
-from ..backends import NUMPY, ArrayBackend
+from ..backends import NUMPY
 from ..backends.cuda_aware import mpi_accepts_device_pointers
 from ..backends.device import Device
 from ..comm.staging import DeviceDirectTransport, StagingTransport
 from ..comm.validation import Signature
+from ..config import Settings
 from ..dtypes import mpi_reduces_natively
 
 
@@ -86,33 +88,38 @@ class CudaAwarePolicy:
 
 
 class StagedPolicy:
-    """Device buffers carried through pinned host memory."""
+    """Device buffers carried through pinned host memory.
+
+    Args:
+        slots: pinned slots per direction of each staging transport
+            (``MPITRAIN_STAGING_SLOTS``).
+    """
 
     name = "staged"
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
 
     def build(self, collective: str, algorithm: str, request: PlanRequest) -> Plan:
         """A pipelined staging plan for point-to-point algorithms, else whole-buffer staging."""
         device = request.backend.device()
         if _point_to_point(collective, algorithm):
             staging = StagingTransport(request.transport, device, largest_segment_bytes(request),
-                                       config.STAGING_SLOTS.get())
+                                       self.slots)
             return algorithms.build(collective, algorithm, replace(request, transport=staging))
         return HostStagedPlan(collective, algorithm, request, device)
 
 
 HOST = HostPolicy()
 CUDA_AWARE = CudaAwarePolicy()
-STAGED = StagedPolicy()
 
 
-def device_policy() -> TransferPolicy:
-    """The policy for device buffers in this process (``MPITRAIN_CUDA_AWARE`` overrides)."""
-    return CUDA_AWARE if mpi_accepts_device_pointers() else STAGED
-
-
-def policy_for(backend: ArrayBackend) -> TransferPolicy:
-    """The policy for buffers of ``backend``."""
-    return device_policy() if backend.is_device else HOST
+def device_policy(settings: Settings) -> TransferPolicy:
+    """The policy for device buffers under ``settings``: its ``cuda_aware`` if set,
+    else what this process's MPI library says of itself."""
+    if mpi_accepts_device_pointers(settings.cuda_aware):
+        return CUDA_AWARE
+    return StagedPolicy(settings.staging_slots)
 
 
 class SynchronizedPlan(Plan):

@@ -6,19 +6,18 @@ buffer kind; a rule naming an algorithm the communicator cannot run (``shm`` acr
 nodes or on device buffers) is skipped. The built-in rules follow the crossovers that
 BENCHMARKS.md measures on one node and on an emulated cluster; ``mpitrain-tune``
 measures a cluster's own crossovers and writes a JSON file of rules that
-``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones. Every
-rank evaluates the same table on the same arguments, so every rank picks the same
+``MPITRAIN_TUNING_FILE`` puts in front of the built-in ones (:meth:`Table.load`, once per
+communicator). Every rank evaluates the same table (the communicator checks that the
+ranks loaded the same rules) on the same arguments, so every rank picks the same
 algorithm.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import config
 from ..errors import ArgumentError
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
@@ -90,42 +89,46 @@ def dump_rules(rules: list[Rule], path: str, meta: dict[str, Any] | None = None)
         json.dump({"meta": meta or {}, "rules": [asdict(r) for r in rules]}, f, indent=1)
 
 
-@functools.lru_cache(maxsize=8)
-def _rules_for(path: str) -> tuple[Rule, ...]:
-    return (load_rules(path) if path else ()) + DEFAULT_RULES
+class Table:
+    """The ordered rules one communicator selects by: a tuning file's, then the built-in
+    ones (:meth:`load`). Choices are memoized per argument tuple, so a call costs one
+    dictionary lookup once its size has been seen.
 
-
-_choices: dict[tuple[Any, ...], str] = {}
-
-
-@functools.lru_cache(maxsize=8)
-def _named_in(path: str) -> frozenset[tuple[str, str]]:
-    return frozenset((rule.collective, rule.algorithm) for rule in _rules_for(path))
-
-
-def may_select(collective: str, algorithm: str) -> bool:
-    """True if some rule of the table in use (the tuning file's, then the built-in ones)
-    names ``algorithm`` for ``collective``: whether ``select`` may ever return it."""
-    return (collective, algorithm) in _named_in(config.TUNING_FILE.get())
-
-
-def select(collective: str, nbytes: int, ranks: int, buffer: str,
-           available: tuple[str, ...], dtype: str = "float32", nodes: int = 1) -> str:
-    """The algorithm for a call, among the ``available`` ones for this call.
-
-    ``nodes`` is the number of nodes the ranks span (``Topology.node_count``). Choices
-    are memoized per argument tuple and tuning file, so a call costs one dictionary
-    lookup once its size has been seen.
+    Args:
+        rules: the rules in the order they are tried.
     """
-    path = config.TUNING_FILE.get()
-    key = (path, collective, nbytes, ranks, buffer, available, dtype, nodes)
-    choice = _choices.get(key)
-    if choice is None:
-        choice = next((rule.algorithm for rule in _rules_for(path)
-                       if rule.algorithm in available
-                       and rule.matches(collective, nbytes, ranks, buffer, dtype, nodes)),
-                      available[0])
-        if len(_choices) >= 4096:
-            _choices.clear()
-        _choices[key] = choice
-    return choice
+
+    def __init__(self, rules: tuple[Rule, ...] = DEFAULT_RULES) -> None:
+        self.rules = rules
+        self._named = frozenset((rule.collective, rule.algorithm) for rule in rules)
+        self._choices: dict[tuple[Any, ...], str] = {}
+
+    @classmethod
+    def load(cls, path: str) -> Table:
+        """The rules of the tuning file at ``path`` (none: ``""``) before the built-in ones."""
+        return cls((load_rules(path) if path else ()) + DEFAULT_RULES)
+
+    def may_select(self, collective: str, algorithm: str) -> bool:
+        """True if some rule names ``algorithm`` for ``collective``: whether
+        :meth:`select` may ever return it."""
+        return (collective, algorithm) in self._named
+
+    def select(self, collective: str, nbytes: int, ranks: int, buffer: str,
+               available: tuple[str, ...], dtype: str = "float32", nodes: int = 1) -> str:
+        """The algorithm for a call, among the ``available`` ones for this call
+        (``nodes``: the number of nodes the ranks span, ``Topology.node_count``)."""
+        key = (collective, nbytes, ranks, buffer, available, dtype, nodes)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = next((rule.algorithm for rule in self.rules
+                           if rule.algorithm in available
+                           and rule.matches(collective, nbytes, ranks, buffer, dtype, nodes)),
+                          available[0])
+            if len(self._choices) >= 4096:
+                self._choices.clear()
+            self._choices[key] = choice
+        return choice
+
+
+BUILT_IN = Table()
+"""The built-in rules alone (no tuning file)."""

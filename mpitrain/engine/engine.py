@@ -14,9 +14,18 @@ engine's progress thread, which loops over *cycles*:
 
 The thread works through its own :class:`~mpitrain.dispatch.Dispatcher` (on a
 duplicate of the caller's communicator), so it never interferes with blocking calls
-the caller makes meanwhile, and it gets the same argument checks, algorithm
-selection, plans and scaling as blocking calls. Blocking calls never go through the
-engine.
+the caller makes meanwhile. A submission is checked by that dispatcher's
+:class:`~mpitrain.dispatch.Checks` (the blocking calls' own) into a
+:class:`~mpitrain.dispatch.Call`, and what every rank submitted runs through
+:meth:`~mpitrain.dispatch.Dispatcher.execute` (a fusion bucket through
+:meth:`~mpitrain.dispatch.Dispatcher.allreduce_flat`): the same algorithm selection,
+plans and scaling as blocking calls, without a second cross-rank validation (step 3
+compared the submissions). Blocking calls never go through the engine.
+
+Device arrays: a submission records an event on the stream that produced the array
+(``stream=``, default the current one); the engine waits for it before it reads the
+array, and a handle is done only once the results are written (the dispatcher's stream
+scope synchronizes), so any stream may use them.
 
 A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
 while no other thread is running one (:meth:`Engine._drive`; one lock makes the
@@ -49,11 +58,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import config, timeline
-from ..backends import NUMPY, ArrayBackend, backend_and_array, backend_named
-from ..comm.inspector import StallLimits
-from ..dispatch import Dispatcher
-from ..dtypes import check_dtype
+from .. import timeline
+from ..backends import NUMPY, ArrayBackend, backend_named
+from ..config import Settings
+from ..dispatch import Call, Dispatcher
 from ..errors import ArgumentError, CommunicationError, MismatchError, StallError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
@@ -107,18 +115,19 @@ class Engine:
     Args:
         comm: the communicator whose async calls this engine serves; the engine's
             dispatcher duplicates it (collective).
-        check, shared_memory, stall: as for :class:`~mpitrain.dispatch.Dispatcher`.
+        settings: the communicator's settings (also the engine's: fusion threshold,
+            cycle time).
     """
 
-    def __init__(self, comm: MPI.Intracomm, *, check: bool | None = None,
-                 shared_memory: bool | None = None, stall: StallLimits | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise CommunicationError(
                 f"rank {comm.Get_rank()}: async operations need MPI_THREAD_MULTIPLE, but MPI "
                 "was initialised with a lower thread level; leave mpi4py.rc.thread_level at "
                 "its default ('multiple')")
-        self.dispatcher = Dispatcher(comm, check=check, shared_memory=shared_memory,
-                                     stall=stall)
+        self.dispatcher = Dispatcher(comm, settings)
+        self.settings = settings
+        self._checks = self.dispatcher.checks
         self.rank, self.size = self.dispatcher.rank, self.dispatcher.size
         self.stats = EngineStats()
         self._waiters = Waiters(self._drive)
@@ -161,38 +170,35 @@ class Engine:
 
     # -- submission (caller's thread) -------------------------------------------------
     # The caller's values (op, name, scaling, algorithm, root, arrays) are typed Any:
-    # they are checked here, and this module may be compiled (mypyc), where an
-    # annotation is enforced at the call (a np.float32 prescale would be a TypeError).
-    # Each call looks its arguments up in ``_specs``: the checks, the signature text and
-    # the fusion key are made once per distinct arguments (a :class:`Spec`); a
-    # submission then only checks what belongs to the array itself (writeable).
+    # they are checked by the dispatcher's Checks (the blocking calls' own), and this
+    # module may be compiled (mypyc), where an annotation is enforced at the call (a
+    # np.float32 prescale would be a TypeError). Each call looks its arguments up in
+    # ``_specs``: the checks, the signature text and the fusion key are made once per
+    # distinct arguments (a :class:`Spec`); a submission then only checks what belongs
+    # to the array itself (Checks.array: write-through and writeable, in place).
+    # ``stream``: where a device input is produced (None: the current stream); an event
+    # recorded there now is what the engine waits for before it reads the input.
     def allreduce(self, x: Any, op: Any, name: Any, prescale: Any,
-                  postscale: Any, algorithm: Any, inplace: bool) -> Handle:
+                  postscale: Any, algorithm: Any, inplace: bool, stream: Any = None) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
         be: ArrayBackend
         try:
-            if type(x) is np.ndarray:  # the common case, without a conversion
-                be, arr = NUMPY, x
-            else:
-                be, arr = self._array(x, "allreduce_async_" if inplace else "allreduce_async",
-                                      inplace)
+            be, arr = self._checks.array(x, "allreduce_async_" if inplace else
+                                         "allreduce_async", inplace)
             key = ("allreduce", be, arr.dtype, arr.shape, op, prescale, postscale, algorithm,
                    inplace)
-            try:
-                spec = self._specs[key]
-            except (KeyError, TypeError):  # new arguments (or unhashable ones: build says why)
-                spec = self._new_spec(key, lambda: self._reduction_spec(
-                    "allreduce", be, arr, op, prescale, postscale, algorithm, inplace))
-            if inplace and not be.is_writeable(arr):  # tested here first: no call per submission
-                self.dispatcher.check_writeable(be, arr, "allreduce_async_")  # raises
+            spec = self._known_spec(key) or self._new_spec(key, lambda: self._spec(
+                self._checks.reduction("allreduce", be, arr, op, prescale, postscale,
+                                       algorithm, inplace)))
         except Exception as exc:
             self._refused("allreduce", name, exc)
             raise
-        return self._submit("allreduce", name, spec, arr, x if inplace else None)
+        return self._submit("allreduce", name, spec, arr, x if inplace else None, None,
+                            self._ready(be, arr, stream))
 
     def grouped_allreduce(self, xs: Any, op: Any, name: Any,
                           prescale: Any, postscale: Any, algorithm: Any,
-                          inplace: bool) -> Handle:
+                          inplace: bool, stream: Any = None) -> Handle:
         """Queue one allreduce of every array of ``xs``, fused (one collective per dtype)."""
         try:
             if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
@@ -201,9 +207,7 @@ class Engine:
             what = "grouped_allreduce_" if inplace else "grouped_allreduce"
             entries = []
             for x in xs:
-                be, arr = self._array(x, what, inplace)
-                if inplace:
-                    self.dispatcher.check_writeable(be, arr, what)
+                be, arr = self._checks.array(x, what, inplace)
                 entries.append(Entry(arr, be, arr.dtype, x if inplace else None))
             arrays = tuple((e.backend, e.dtype, e.array.shape) for e in entries)
             key = ("grouped_allreduce", arrays, op, prescale, postscale, algorithm, inplace)
@@ -212,69 +216,84 @@ class Engine:
         except Exception as exc:
             self._refused("grouped_allreduce", name, exc)
             raise
-        return self._submit("grouped_allreduce", name, spec, None, None, entries)
+        ready = self._ready(entries[0].backend, entries[0].array, stream) if entries else None
+        return self._submit("grouped_allreduce", name, spec, None, None, entries, ready)
 
-    def allgather(self, x: Any, name: Any, algorithm: Any) -> Handle:
+    def allgather(self, x: Any, name: Any, algorithm: Any, stream: Any = None) -> Handle:
         """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
         try:
-            be, arr = self._array(x, "allgather_async", False)
-            rows = (None, *arr.shape[1:])  # None: any number of rows
-            key = ("allgather", be, arr.dtype, rows, algorithm)
+            be, arr = self._checks.array(x, "allgather_async", False)
+            key = ("allgather", be, arr.dtype, (None, *arr.shape[1:]), algorithm)
             spec = self._known_spec(key) or self._new_spec(
-                key, lambda: self._allgather_spec(be, arr.dtype, rows, algorithm))
+                key, lambda: self._spec(self._checks.allgather(be, arr, algorithm)))
         except Exception as exc:
             self._refused("allgather", name, exc)
             raise
-        return self._submit("allgather", name, spec, arr, None)
+        return self._submit("allgather", name, spec, arr, None, None,
+                            self._ready(be, arr, stream))
 
     def broadcast(self, x: Any, root: Any, name: Any, algorithm: Any,
-                  inplace: bool) -> Handle:
+                  inplace: bool, stream: Any = None) -> Handle:
         """Queue a broadcast of the root's ``x`` (into ``x`` itself if ``inplace``)."""
         what = "broadcast_async_" if inplace else "broadcast_async"
         try:
-            be, arr = self._array(x, what, inplace)
+            be, arr = self._checks.array(x, what, inplace)
             key = ("broadcast", be, arr.dtype, arr.shape, root, algorithm, inplace)
-            spec = self._known_spec(key) or self._new_spec(
-                key, lambda: self._broadcast_spec(be, arr, root, algorithm, inplace))
-            if inplace:
-                self.dispatcher.check_writeable(be, arr, what)
+            spec = self._known_spec(key) or self._new_spec(key, lambda: self._spec(
+                self._checks.broadcast(be, arr, root, algorithm, inplace)))
         except Exception as exc:
             self._refused("broadcast", name, exc)
             raise
-        return self._submit("broadcast", name, spec, arr, x if inplace else None)
+        return self._submit("broadcast", name, spec, arr, x if inplace else None, None,
+                            self._ready(be, arr, stream))
 
     def reduce_scatter(self, x: Any, op: Any, name: Any, prescale: Any,
-                       postscale: Any, algorithm: Any) -> Handle:
+                       postscale: Any, algorithm: Any, stream: Any = None) -> Handle:
         """Queue a reduce-scatter of ``x`` (this rank gets its block of axis 0)."""
         try:
-            be, arr = self._array(x, "reduce_scatter_async", False)
+            be, arr = self._checks.array(x, "reduce_scatter_async", False)
             key = ("reduce_scatter", be, arr.dtype, arr.shape, op, prescale, postscale,
                    algorithm)
-            spec = self._known_spec(key) or self._new_spec(key, lambda: self._reduction_spec(
-                "reduce_scatter", be, arr, op, prescale, postscale, algorithm, False))
+            spec = self._known_spec(key) or self._new_spec(key, lambda: self._spec(
+                self._checks.reduction("reduce_scatter", be, arr, op, prescale, postscale,
+                                       algorithm)))
         except Exception as exc:
             self._refused("reduce_scatter", name, exc)
             raise
-        return self._submit("reduce_scatter", name, spec, arr, None)
+        return self._submit("reduce_scatter", name, spec, arr, None, None,
+                            self._ready(be, arr, stream))
 
-    def _allgather_spec(self, be: ArrayBackend, dtype: Any, rows: tuple[Any, ...],
-                        algorithm: Any) -> Spec:
-        """The checked spec of an allgather of arrays with ``rows`` (axis 0 free)."""
-        check_dtype(dtype, rank=self.rank)
-        algo = self.dispatcher.check_algorithm("allgather", algorithm, be, dtype)
-        described = describe(("allgather", None, dtype, rows, 1.0, 1.0, algo, 0))
-        return Spec("allgather", described, be, dtype, rows, algorithm=algo)
+    @staticmethod
+    def _ready(be: ArrayBackend, arr: Any, stream: Any) -> Any:
+        """For a device array, an event recorded now on ``stream`` (None: the current
+        one) of its device; ``None`` for host arrays."""
+        return be.record(arr, stream) if be.is_device else None
 
-    def _broadcast_spec(self, be: ArrayBackend, arr: Any, root: Any, algorithm: Any,
-                        inplace: bool) -> Spec:
-        """The checked spec of a broadcast of arrays like ``arr`` from ``root``."""
-        self.dispatcher.check_root(root)
-        check_dtype(arr.dtype, rank=self.rank)
-        algo = self.dispatcher.check_algorithm("broadcast", algorithm, be, arr.dtype)
-        described = describe(("broadcast", None, arr.dtype, arr.shape, 1.0, 1.0, algo,
-                              int(root)))
-        return Spec("broadcast", described, be, arr.dtype, arr.shape, algorithm=algo,
-                    root=int(root), inplace=inplace)
+    def _spec(self, call: Call) -> Spec:
+        """The spec of a checked call of one array: its agreed text and fusion key."""
+        op = call.op.value if call.op is not None else None
+        described = describe((call.collective, op, call.dtype, call.shape, call.prescale,
+                              call.postscale, call.algorithm, call.root, call.backend.name))
+        fusion = fusion_key(call.backend.name, call.dtype, op, call.prescale, call.postscale,
+                            call.algorithm) if call.collective == "allreduce" else ""
+        return Spec(call.collective, described, call, fusion=fusion)
+
+    def _group_spec(self, entries: list[Entry], op: Any, prescale: Any,
+                    postscale: Any, algorithm: Any, inplace: bool) -> Spec:
+        """The checked spec of a grouped allreduce of arrays like ``entries``'."""
+        calls = [self._checks.reduction("allreduce", e.backend, e.array, op, prescale,
+                                        postscale, algorithm, inplace) for e in entries]
+        if not calls:  # nothing will run (_submit finishes it), but the arguments count
+            rop = parse_op(op)
+            pre, post = self._checks.factors(prescale, postscale)
+            return Spec("allreduce", describe(("grouped_allreduce", rop.value, None, (), pre,
+                                               post, None, 0, NUMPY.name)), None, grouped=True)
+        first = calls[0]
+        rop = first.op or ReduceOp.SUM
+        arrays = tuple((c.dtype, c.shape) for c in calls)
+        described = describe(("grouped_allreduce", rop.value, None, arrays, first.prescale,
+                              first.postscale, first.algorithm, 0, first.backend.name))
+        return Spec("allreduce", described, first, grouped=True)
 
     def _refused(self, kind: str, name: Any, exc: Exception) -> None:
         """This rank refused its next ``kind`` submission (named ``name``) with ``exc``:
@@ -292,7 +311,7 @@ class Engine:
             return
         text = f"{exc}".replace("\n", " ")
         spec = Spec(REFUSED, f"{REFUSED} on rank {self.rank}: {type(exc).__name__}: {text}",
-                    NUMPY, None, None)
+                    None)
         refusal = Request(name, spec, None, None, self._waiters, serial, None, [])
         with self._lock:
             if self._closed is not None or name in self._in_flight:
@@ -306,15 +325,6 @@ class Engine:
         adapter's own argument checks) refused this rank's next ``kind`` submission
         (named ``name``; ``None`` takes the next unnamed one) with ``exc``."""
         self._refused(kind, name, exc)
-
-    def _array(self, x: Any, what: str, inplace: bool) -> tuple[ArrayBackend, Any]:
-        """The backend of ``x`` and ``x`` as its array (one that writes through to ``x``
-        for in-place calls)."""
-        be, arr = backend_and_array(x)
-        if inplace and arr is not x and not isinstance(x, type(arr)):
-            raise ArgumentError(f"rank {self.rank}: {what} needs an array to write into, "
-                                f"got {type(x).__name__}; use the out-of-place variant")
-        return be, arr
 
     def _known_spec(self, key: tuple[Any, ...]) -> Spec | None:
         """The spec kept for ``key``, if any (none for unhashable arguments)."""
@@ -332,57 +342,17 @@ class Engine:
             self._specs[key] = spec
         return spec
 
-    def _reduction_spec(self, kind: str, be: ArrayBackend, arr: Any, op: Any,
-                        prescale: Any, postscale: Any, algorithm: Any,
-                        inplace: bool) -> Spec:
-        """The checked spec of an allreduce or reduce-scatter of arrays like ``arr``."""
-        rop = parse_op(op)
-        self.dispatcher.check_reducible(arr, rop)
-        pre, post = self._factors(prescale, postscale)
-        algo = self.dispatcher.check_algorithm(kind, algorithm, be, arr.dtype)
-        described = describe((kind, rop.value, arr.dtype, arr.shape, pre, post, algo, 0))
-        fusion = fusion_key(be.name, arr.dtype, rop.value, pre, post, algo) \
-            if kind == "allreduce" else ""
-        return Spec(kind, described, be, arr.dtype, arr.shape, rop, pre, post, algo,
-                    inplace=inplace, fusion=fusion)
-
-    def _group_spec(self, entries: list[Entry], op: Any, prescale: Any,
-                    postscale: Any, algorithm: Any, inplace: bool) -> Spec:
-        """The checked spec of a grouped allreduce of arrays like ``entries``'."""
-        rop = parse_op(op)
-        for entry in entries:
-            self.dispatcher.check_reducible(entry.array, rop)
-        pre, post = self._factors(prescale, postscale)
-        algo = None
-        if entries:
-            algo = self.dispatcher.check_algorithm("allreduce", algorithm, entries[0].backend,
-                                         entries[0].dtype)
-        arrays = tuple((e.dtype, e.array.shape) for e in entries)
-        described = describe(("grouped_allreduce", rop.value, None, arrays, pre, post, algo, 0))
-        first = entries[0] if entries else None
-        return Spec("allreduce", described, first.backend if first else NUMPY,
-                    first.dtype if first else None, None, rop, pre, post, algo,
-                    inplace=inplace, grouped=True)
-
-    def _factors(self, prescale: Any, postscale: Any) -> tuple[float, float]:
-        """The scaling factors as floats (so that ``1`` and ``1.0`` describe alike)."""
-        try:
-            return float(prescale), float(postscale)
-        except (TypeError, ValueError):
-            raise ArgumentError(f"rank {self.rank}: prescale_factor and postscale_factor must "
-                                f"be numbers, got {prescale!r} and {postscale!r}") from None
-
     def _submit(self, what: str, name: Any, spec: Spec, array: Any, output: Any,
-                entries: list[Entry] | None = None) -> Handle:
+                entries: list[Entry] | None = None, ready: Any = None) -> Handle:
         # The request is made before taking the lock (the counter's next() is atomic).
         # Only a given name is tracked, so only its handle has one to release.
         if name is None:  # generated names are unique: never tracked
             serial = next(self._counters[what])
             request = Request(f"{what}{NONAME}{serial}", spec, array, output, self._waiters,
-                              serial, None, entries)  # generated_name(), without a call
+                              serial, None, entries, ready)  # generated_name(), without a call
         elif isinstance(name, str) and name:
             request = Request(name, spec, array, output, self._waiters, -1,
-                              self._release_name, entries)
+                              self._release_name, entries, ready)
         else:
             raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
                                 f"got {name!r}")
@@ -449,7 +419,7 @@ class Engine:
             CommunicationError: a rank stopped its engine without joining, or the
                 engine failed.
         """
-        handle = Request(JOIN, Spec(JOIN, JOIN, NUMPY, None, None), None, None,
+        handle = Request(JOIN, Spec(JOIN, JOIN, None), None, None,
                          self._waiters, -1, None, [])
         with self._cond:
             self._check_open()
@@ -572,8 +542,8 @@ class Engine:
         moved (on any rank)."""
         self.stats.cycles += 1
         self._running = incoming  # before the exchange, so that _abort sees them if it fails
-        agreement = self._negotiator.exchange(incoming, stopping, config.FUSION_THRESHOLD.get(),
-                                              joining)
+        agreement = self._negotiator.exchange(incoming, stopping,
+                                              self.settings.fusion_threshold, joining)
         self.joined = [] if agreement.all_joined else agreement.joined
         agreed_at = time.perf_counter()
         tl = timeline.current()
@@ -698,15 +668,16 @@ class Engine:
     def _stand_in_spec(self, blueprint: Blueprint, be: ArrayBackend, made: list[Any]) -> Spec:
         """The spec of a stand-in (:meth:`_stand_in`): built by the same checks as the
         submitters' specs, so that it fuses and runs the same way."""
-        kind, op, pre, post, algorithm, root, inplace, grouped, _, arrays, _ = blueprint
+        kind, op, pre, post, algorithm, root, inplace, grouped, _, _, _ = blueprint
         if grouped:
             entries = [Entry(a, be, a.dtype) for a in made]
             return self._group_spec(entries, op, pre, post, algorithm, inplace)
         if kind == "allgather":
-            return self._allgather_spec(be, made[0].dtype, (None, *arrays[0][1][1:]), algorithm)
+            return self._spec(self._checks.allgather(be, made[0], algorithm))
         if kind == "broadcast":
-            return self._broadcast_spec(be, made[0], root, algorithm, inplace)
-        return self._reduction_spec(kind, be, made[0], op, pre, post, algorithm, inplace)
+            return self._spec(self._checks.broadcast(be, made[0], root, algorithm, inplace))
+        return self._spec(self._checks.reduction(kind, be, made[0], op, pre, post, algorithm,
+                                                 inplace))
 
     def _join_progress(self, agreement: Agreement) -> None:
         """Finish this rank's ``join()`` once every rank is in it (with the last rank to
@@ -817,16 +788,16 @@ class Engine:
                 f"{signatures[other]}; every rank must submit a name with the same kind, op, "
                 "dtype, shape, scaling and algorithm")
 
-    @staticmethod
-    def _cycle_seconds() -> float:
-        return config.CYCLE_TIME_MS.get() / 1000.0
+    def _cycle_seconds(self) -> float:
+        return self.settings.cycle_time_ms / 1000.0
 
 
 def describe(key: tuple[Any, ...]) -> str:
     """What every rank's submission of a name must agree on, as text (also shown when
-    ranks disagree): ``allreduce sum float32[4, 5] prescale=1.0 postscale=1.0 algorithm=auto``.
-    """
-    kind, op, dtype, shape, prescale, postscale, algorithm, root = key
+    ranks disagree): ``allreduce sum float32[4, 5] prescale=1.0 postscale=1.0
+    algorithm=auto``, with ``on cupy`` (the backend) for device arrays: host and device
+    buffers may take different algorithms, so the ranks must agree on it too."""
+    kind, op, dtype, shape, prescale, postscale, algorithm, root, backend = key
     words = [kind] if op is None else [kind, op]
     if kind == "broadcast":
         words.append(f"root={root}")
@@ -837,6 +808,8 @@ def describe(key: tuple[Any, ...]) -> str:
     if op is not None:
         words += [f"prescale={prescale!r}", f"postscale={postscale!r}"]
     words.append(f"algorithm={algorithm or 'default'}")
+    if backend != NUMPY.name:
+        words.append(f"on {backend}")
     return " ".join(words)
 
 

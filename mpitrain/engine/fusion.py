@@ -11,7 +11,9 @@ own. Buckets run in the order they were opened.
 
 :class:`BucketRunner` runs a bucket: pack -> prescale -> collective -> postscale ->
 unpack, where the middle three are one call of the engine's
-:class:`~mpitrain.dispatch.Dispatcher`, so fused buffers get the same algorithm
+:class:`~mpitrain.dispatch.Dispatcher` (:meth:`~mpitrain.dispatch.Dispatcher.allreduce_flat`;
+a bucket of one array runs its checked call through
+:meth:`~mpitrain.dispatch.Dispatcher.execute`), so fused buffers get the same algorithm
 selection, plan cache and scaling as blocking calls. The fusion buffer is a new array per
 bucket (one ``concatenate``, which also flattens and makes contiguous); out-of-place
 results are views of it. Where the dispatcher's algorithm takes
@@ -24,6 +26,7 @@ the dispatcher on the entry's own array.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,33 +124,33 @@ class BucketRunner:
 
     def run(self, bucket: Bucket, traced: bool = False) -> list[Phase]:
         """Run ``bucket``, store each entry's output, and return the timed phases (named
-        after the algorithm that ran only if ``traced``: a timeline is recording)."""
+        after the algorithm that ran only if ``traced``: a timeline is recording).
+
+        Device inputs are read only once the work that produced them is done (each
+        request's ``ready`` event); the outputs are complete when this returns."""
+        for request in bucket.requests:
+            if request.ready is not None:
+                request.ready.synchronize()
         if len(bucket.items) > 1:
             return self._fused(bucket)
         request, entry = bucket.items[0]
         spec = request.spec
         start = _begin(bucket)
         d, a = self.dispatcher, entry.array
-        nbytes = a.nbytes  # the size the algorithm is chosen by (allgather: the output's)
-        if spec.kind == "allreduce":
-            args = (spec.op, spec.algorithm, spec.prescale, spec.postscale)
-            if spec.inplace:
-                d.allreduce_(a, *args)
-            else:
-                entry.output = d.allreduce(a, *args)
-        elif spec.kind == "reduce_scatter":
-            entry.output = d.reduce_scatter(a, spec.op, spec.algorithm, spec.prescale,
-                                            spec.postscale)
-        elif spec.kind == "allgather":
-            entry.output = d.allgather(a, spec.algorithm)
-            nbytes = entry.output.nbytes
-        elif spec.inplace:
-            d.broadcast_(a, spec.root, spec.algorithm)
-        else:
-            entry.output = d.broadcast(a, spec.root, spec.algorithm)
+        call = spec.call
+        assert call is not None
+        if spec.grouped:  # an array of a group: the group's arguments, its own array
+            call = dataclasses.replace(call, backend=entry.backend, dtype=entry.dtype,
+                                       shape=tuple(a.shape))
+        # negotiation compared every rank's submission: no validation here
+        result = d.execute(call, a, validate=False)
+        if not spec.inplace:
+            entry.output = result
+        if not traced:
+            return [(self._collective_name(spec, ""), start, time.perf_counter())]
         # the dispatcher's choice is memoized: asking again names the algorithm that ran
-        algorithm = d.algorithm(spec.kind, spec.algorithm, nbytes, entry.backend, a.dtype) \
-            if traced else ""
+        nbytes = result.nbytes if spec.kind == "allgather" else a.nbytes  # chosen by these
+        algorithm = d.algorithm(spec.kind, spec.algorithm, nbytes, entry.backend, a.dtype)
         return [(self._collective_name(spec, algorithm), start, time.perf_counter())]
 
     def _fused(self, bucket: Bucket) -> list[Phase]:
@@ -181,13 +184,13 @@ class BucketRunner:
         else:
             src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
         start = _begin(bucket)
-        with be.scope(arrays[0]):  # buffers the engine made: none of allreduce_'s checks
+        with be.scope(arrays[0]):  # checked at submission, compared by negotiation
             algorithm = self.dispatcher.allreduce_flat(be, src, buf, dt, spec.op,
                                                        spec.algorithm, spec.prescale,
-                                                       spec.postscale)
-        unpacking = time.perf_counter()
-        if not isinstance(buf, Pieces):  # (in place on pieces: already in the arrays)
-            _hand_out(be, items, arrays, buf, row)
+                                                       spec.postscale, validate=False)
+            unpacking = time.perf_counter()
+            if not isinstance(buf, Pieces):  # (in place on pieces: already in the arrays)
+                _hand_out(be, items, arrays, buf, row)
         return [("PACK", packing, start),
                 (self._collective_name(spec, algorithm), start, unpacking),
                 ("UNPACK", unpacking, time.perf_counter())]

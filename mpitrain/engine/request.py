@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..backends import ArrayBackend
+from ..backends import NUMPY, ArrayBackend
+from ..dispatch import Call
 from ..ops import ReduceOp
 
 
@@ -134,29 +135,38 @@ class Spec:
 
     Attributes:
         kind: ``allreduce`` (grouped ones too), ``allgather``, ``broadcast`` or
-            ``reduce_scatter``.
+            ``reduce_scatter`` (or the engine's own ``refused`` and ``join``).
         signature: the agreed text (kind, op, dtype, shape, scaling, algorithm, root);
             it doubles as the error message when ranks disagree.
+        call: the checked call (:class:`~mpitrain.dispatch.Call`) that runs it: of the
+            first array for a group; ``None`` for the engine's own kinds.
         fusion: allreduces of one array with equal fusion keys may share a buffer
             (``""`` for everything else).
-        backend: the array library of the (first) array.
-        dtype: its element type (``None`` for an empty group).
-        shape: its shape (``None`` for a group; rows ``None`` for an allgather).
-        op, prescale, postscale, algorithm, root, inplace, grouped: the arguments.
+        grouped: a grouped allreduce (several arrays).
+        backend, dtype, shape, op, prescale, postscale, algorithm, root, inplace: the
+            call's (``shape`` is ``None`` for a group).
     """
 
-    __slots__ = ("algorithm", "backend", "dtype", "fusion", "grouped", "inplace", "kind", "op",
-                 "postscale", "prescale", "root", "shape", "signature")
+    __slots__ = ("algorithm", "backend", "call", "dtype", "fusion", "grouped", "inplace",
+                 "kind", "op", "postscale", "prescale", "root", "shape", "signature")
 
-    def __init__(self, kind: str, signature: str, backend: ArrayBackend,
-                 dtype: np.dtype[Any] | None, shape: tuple[int | None, ...] | None,
-                 op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
-                 algorithm: str | None = None, root: int = 0, inplace: bool = False,
-                 grouped: bool = False, fusion: str = "") -> None:
-        self.kind, self.signature, self.backend, self.dtype = kind, signature, backend, dtype
-        self.shape, self.op, self.prescale, self.postscale = shape, op, prescale, postscale
-        self.algorithm, self.root, self.inplace, self.grouped = algorithm, root, inplace, grouped
+    def __init__(self, kind: str, signature: str, call: Call | None, grouped: bool = False,
+                 fusion: str = "") -> None:
+        self.kind, self.signature, self.call, self.grouped = kind, signature, call, grouped
         self.fusion = fusion
+        if call is None:
+            self.backend: ArrayBackend = NUMPY
+            self.dtype: np.dtype[Any] | None = None
+            self.shape: tuple[int | None, ...] | None = None
+            self.op: ReduceOp = ReduceOp.SUM
+            self.prescale, self.postscale = 1.0, 1.0
+            self.algorithm: str | None = None
+            self.root, self.inplace = 0, False
+            return
+        self.backend, self.dtype, self.op = call.backend, call.dtype, call.op or ReduceOp.SUM
+        self.shape = None if grouped else call.shape
+        self.prescale, self.postscale = call.prescale, call.postscale
+        self.algorithm, self.root, self.inplace = call.algorithm, call.root, call.inplace
 
 
 class Entry:
@@ -186,14 +196,17 @@ class Request(Handle):
     on (one object per submission); it holds the arrays until the operation is done.
     A request of one array (``array``; ``entries`` is ``None``) is its own entry; a
     grouped request has ``entries``, one per array. ``serial`` is the ``n`` of a
-    generated name (``<kind>.noname.<n>``), -1 for a name the caller gave.
+    generated name (``<kind>.noname.<n>``), -1 for a name the caller gave. ``ready``
+    is, for device arrays, the event recorded on the submitter's stream at submission:
+    the engine waits for it before it reads them.
     """
 
-    __slots__ = ("array", "entries", "nbytes", "output", "serial", "spec", "unfinished")
+    __slots__ = ("array", "entries", "nbytes", "output", "ready", "serial", "spec",
+                 "unfinished")
 
     def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
                  serial: int = -1, release: Callable[[str], None] | None = None,
-                 entries: list[Entry] | None = None) -> None:
+                 entries: list[Entry] | None = None, ready: Any = None) -> None:
         # the handle's part
         self.name = name
         self._waiters = waiters
@@ -207,6 +220,7 @@ class Request(Handle):
         # the operation's part
         self.spec, self.serial, self.entries = spec, serial, entries
         self.array, self.output = array, output
+        self.ready = ready  # device arrays: an event after the work that produced them
         if entries is None:
             self.nbytes = array.nbytes
             self.unfinished = 1  # entries whose bucket has not run yet
@@ -234,5 +248,5 @@ def complete_all(requests: list[Request]) -> None:
             request._result = request.output if entries is None else [e.output for e in entries]
         request.finished_at = now
         request.entries = None
-        request.array = request.output = None
+        request.array = request.output = request.ready = None
         request._done = True

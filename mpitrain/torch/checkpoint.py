@@ -22,7 +22,10 @@ from .tensors import as_buffer, from_buffer
 TENSORS = ArrayKind(
     is_array=lambda x: isinstance(x, torch.Tensor),
     buffer=as_buffer,
-    empty=lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype)),
+    # a root's CUDA tensor is received into one on this rank's current CUDA device
+    empty=lambda shape, dtype, memory: torch.empty(shape, dtype=getattr(torch, dtype),
+                                                   device=memory),
+    memory=lambda x: str(x.device.type),
 )
 """Torch tensors as the leaves of :func:`mpitrain.trainer.broadcast_tree`."""
 

@@ -33,7 +33,15 @@ from ..trainer.compression import Compression
 from . import process_sets as _sets
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sparse import prepare_sparse_allreduce, sparse_part_names, start_sparse_allreduce
-from .tensors import as_buffer, from_buffer
+from .tensors import (
+    as_buffer,
+    device_of,
+    from_buffer,
+    host_copy,
+    host_view,
+    producer_stream,
+    to_device_of,
+)
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -435,10 +443,12 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
     comm = _comm(process_set)
     with _refusing(comm, "allreduce", name):
         how = _scaling([tensor], _reduce_op(op, average), prescale, postscale, comm.size)
-        work = how.source(tensor, inplace=output is not None)
+        work = _on_host_for_adasum(how, how.source(tensor, inplace=output is not None))
         buffer = as_buffer(work)
+        stream = producer_stream(work)
     if output is not None:  # in place
-        handle = comm.allreduce_async_(buffer, how.op, name, how.prescale, how.postscale)
+        handle = comm.allreduce_async_(buffer, how.op, name, how.prescale, how.postscale,
+                                       stream=stream)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -446,8 +456,21 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                 tensor.copy_(work)
             return _scale_(tensor, how.after)
         return _register([handle], finish)
-    handle = comm.allreduce_async(buffer, how.op, name, how.prescale, how.postscale)
-    return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
+    handle = comm.allreduce_async(buffer, how.op, name, how.prescale, how.postscale,
+                                  stream=stream)
+    return _register([handle], lambda: _scale_(_on_device_of(tensor, from_buffer(handle.wait())),
+                                               how.after))
+
+
+def _on_host_for_adasum(how: _Scaling, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a host copy of a device tensor for op=Adasum, which mpitrain
+    reduces on the host only (the result is copied back by the caller)."""
+    return host_copy(tensor) if how.op is Adasum else tensor
+
+
+def _on_device_of(like: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` on ``like``'s device (a host result of a device tensor's Adasum)."""
+    return to_device_of(like, result) if device_of(result) is None else result
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -540,15 +563,17 @@ def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | N
     with _refusing(comm, "grouped_allreduce", name):
         tensors = list(tensors)
         how = _scaling(tensors, _reduce_op(op, average), prescale, postscale, comm.size)
-        work = [how.source(t, inplace) for t in tensors]
+        work = [_on_host_for_adasum(how, how.source(t, inplace)) for t in tensors]
         buffers = [as_buffer(w) for w in work]
+        stream = producer_stream(work[0]) if work else None
     if not inplace:
         handle = comm.grouped_allreduce_async(buffers, how.op, name, how.prescale,
-                                              how.postscale)
-        return _register([handle], lambda: [_scale_(from_buffer(r), how.after)
-                                            for r in handle.wait()])
+                                              how.postscale, stream=stream)
+        return _register([handle], lambda: [_scale_(_on_device_of(t, from_buffer(r)),
+                                                     how.after)
+                                            for t, r in zip(tensors, handle.wait())])
     handle = comm.grouped_allreduce_async_(buffers, how.op, name, how.prescale,
-                                           how.postscale)
+                                           how.postscale, stream=stream)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
@@ -648,7 +673,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     comm = _comm(process_set)
     with _refusing(comm, "allgather", name):
         buffer = as_buffer(tensor)
-    handle = comm.allgather_async(buffer, name)
+    handle = comm.allgather_async(buffer, name, stream=producer_stream(tensor))
     return _register([handle], lambda: from_buffer(handle.wait()))
 
 
@@ -689,10 +714,11 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
         root = _sets.set_rank(process_set, root_rank, "broadcast")
         work = tensor if not inplace or tensor.is_contiguous() else tensor.contiguous()
         buffer = as_buffer(work)
+    stream = producer_stream(work)
     if not inplace:
-        handle = comm.broadcast_async(buffer, root, name)
+        handle = comm.broadcast_async(buffer, root, name, stream=stream)
         return _register([handle], lambda: from_buffer(handle.wait()))
-    handle = comm.broadcast_async_(buffer, root, name)
+    handle = comm.broadcast_async_(buffer, root, name, stream=stream)
 
     def finish() -> torch.Tensor:
         handle.wait()
@@ -765,22 +791,27 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     """
     comm = _comm(process_set)
     with _refusing(comm, "reduce_scatter", name):
-        buffer, how = _reducescatter_source(comm, tensor, op, prescale_factor,
+        source, how = _reducescatter_source(comm, tensor, op, prescale_factor,
                                             postscale_factor)
-    return _submit_reducescatter(comm, buffer, how, name)
+    return _submit_reducescatter(comm, source, how, name)
 
 
 def _reducescatter_source(comm: Communicator, tensor: torch.Tensor, op: Any,
-                          prescale: float, postscale: float) -> tuple[Any, _Scaling]:
-    """The buffer a reduce-scatter of ``tensor`` submits, and who scales it."""
+                          prescale: float, postscale: float
+                          ) -> tuple[tuple[Any, Any], _Scaling]:
+    """The buffer a reduce-scatter of ``tensor`` submits with the stream that produces
+    it, and who scales it."""
     how = _scaling([tensor], parse_op(op), prescale, postscale, comm.size)
-    return as_buffer(how.source(tensor, inplace=False)), how
+    work = how.source(tensor, inplace=False)
+    return (as_buffer(work), producer_stream(work)), how
 
 
-def _submit_reducescatter(comm: Communicator, buffer: Any, how: _Scaling,
+def _submit_reducescatter(comm: Communicator, source: tuple[Any, Any], how: _Scaling,
                           name: str | None) -> int:
-    """Submit the reduce-scatter of a prepared ``buffer``; returns its handle."""
-    handle = comm.reduce_scatter_async(buffer, how.op, name, how.prescale, how.postscale)
+    """Submit the reduce-scatter of a prepared ``(buffer, stream)``; returns its handle."""
+    buffer, stream = source
+    handle = comm.reduce_scatter_async(buffer, how.op, name, how.prescale, how.postscale,
+                                       stream=stream)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
@@ -846,7 +877,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     names = [_member(name, i) for i in range(len(tensors))]
     with _refusing(comm, "allgather", *names):  # no member is submitted unless all can be
         buffers = [as_buffer(t) for t in tensors]
-    handles = [comm.allgather_async(b, n) for b, n in zip(buffers, names)]
+    handles = [comm.allgather_async(b, n, stream=producer_stream(t))
+               for b, n, t in zip(buffers, names, tensors)]
     return _register(handles, lambda: [from_buffer(h.wait()) for h in handles])
 
 
@@ -870,8 +902,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     with _refusing(comm, "reduce_scatter", *names):  # all members or none
         sources = [_reducescatter_source(comm, t, op, prescale_factor, postscale_factor)
                    for t in tensors]
-    return _group_handle([_submit_reducescatter(comm, buffer, how, n)
-                          for (buffer, how), n in zip(sources, names)])
+    return _group_handle([_submit_reducescatter(comm, source, how, n)
+                          for (source, how), n in zip(sources, names)])
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -911,7 +943,7 @@ def _alltoall(tensor: torch.Tensor, splits: Any,
     def prepare() -> tuple[tuple[np.ndarray[Any, Any], Any], tuple[str, tuple[int, ...]]]:
         counts = _check_splits(tensor, splits, ctrl.Get_size())
         source = tensor.detach().cpu().contiguous()  # the CPU tensor itself when it is one
-        send = as_buffer(source).reshape(-1).view(np.uint8)
+        send = host_view(source).reshape(-1).view(np.uint8)
         return (counts, send), (str(tensor.dtype), tuple(tensor.shape[1:]))
 
     # the exchange of dtypes and trailing shapes carries a rank's error in their place
@@ -932,7 +964,7 @@ def _alltoall(tensor: torch.Tensor, splits: Any,
         try:
             ctrl.Alltoallv(
                 [send, (send_counts, np.cumsum(send_counts) - send_counts), row],
-                [as_buffer(output).reshape(-1).view(np.uint8),
+                [host_view(output).reshape(-1).view(np.uint8),
                  (recv_counts, np.cumsum(recv_counts) - recv_counts), row])
         finally:
             row.Free()
@@ -1020,7 +1052,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     def prepare() -> tuple[int, None]:
         root = _sets.set_rank(process_set, root_rank, "broadcast_object")
-        comm.dispatcher.check_root(root)
+        comm.dispatcher.checks.root(root)
         return root, None
 
     root, _ = _agreed(comm.allgather_object, "broadcast_object", prepare)

@@ -36,7 +36,7 @@ from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitt
 from .checkpoint import TENSORS
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
 from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
-from .tensors import as_buffer
+from .tensors import as_buffer, host_copy, producer_stream, to_device_of
 
 
 class TensorBridge:
@@ -57,6 +57,10 @@ class TensorBridge:
     def buffer(self, value: torch.Tensor) -> Any:
         """A zero-copy view for the comm layer."""
         return as_buffer(value)
+
+    def stream(self, value: torch.Tensor) -> Any:
+        """The stream whose work produces a device gradient."""
+        return producer_stream(value)
 
     def nbytes(self, param: torch.Tensor) -> int:
         """``param``'s size in bytes (its gradient's)."""
@@ -103,10 +107,10 @@ class DeltaBridge(TensorBridge):
         self.starts: dict[int, torch.Tensor] = {}
 
     def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """``param = start + value``."""
+        """``param = start + value`` (``value`` may be a host copy of a device delta)."""
         start = self.starts.pop(id(param))
         with torch.no_grad():
-            param.copy_(start.add_(value))
+            param.copy_(start.add_(to_device_of(start, value)))
 
 
 class AdasumReducer(TensorReducer):
@@ -130,7 +134,8 @@ class AdasumReducer(TensorReducer):
             self._step_only(group)
             for p in group:
                 p.sub_(self.deltas.starts[id(p)])
-        return super().submit(group, [p.detach() for p in group])
+        # mpitrain reduces Adasum on the host: a device delta goes as a host copy
+        return super().submit(group, [host_copy(p.detach()) for p in group])
 
     def _step_only(self, params: list[torch.Tensor]) -> None:
         """``optimizer.step()`` on ``params`` alone (the other parameters are hidden)."""

@@ -46,26 +46,32 @@ def broadcast_arrays(named: Sequence[tuple[str, Any]], root: int = 0,
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """Placeholder for one array of a broadcast structure: its slot, shape and dtype."""
+    """Placeholder for one array of a broadcast structure: its slot, shape, dtype, and
+    the kind of memory it is in (``"cpu"``, ``"cuda"``: every rank receives it into the
+    same kind, so that every rank's broadcast takes the same path)."""
 
     index: int
     shape: tuple[int, ...]
     dtype: str
+    memory: str = "cpu"
 
 
 @dataclass(frozen=True)
 class ArrayKind:
-    """How :func:`broadcast_tree` recognises, views and allocates one kind of array."""
+    """How :func:`broadcast_tree` recognises, views and allocates one kind of array
+    (``memory``: where an array lives, as :attr:`LeafSpec.memory` names it; ``empty``
+    allocates one of that shape, dtype and memory on this rank)."""
 
     is_array: Callable[[Any], bool]
     buffer: Callable[[Any], Any]  # zero-copy array view that the comm layer accepts
-    empty: Callable[[tuple[int, ...], str], Any]
+    empty: Callable[[tuple[int, ...], str, str], Any]
+    memory: Callable[[Any], str] = lambda x: "cpu"
 
 
 NUMPY_ARRAYS = ArrayKind(
     is_array=lambda x: isinstance(x, np.ndarray),
     buffer=lambda x: x,
-    empty=lambda shape, dtype: np.empty(shape, np.dtype(dtype)),  # "bfloat16": ml_dtypes
+    empty=lambda shape, dtype, memory: np.empty(shape, np.dtype(dtype)),  # "bfloat16": ml_dtypes
 )
 
 
@@ -74,7 +80,7 @@ def _split(tree: Any, kind: ArrayKind, leaves: list[Any]) -> Any:
     if kind.is_array(tree):
         leaves.append(tree)
         return LeafSpec(len(leaves) - 1, tuple(int(d) for d in tree.shape),
-                        str(tree.dtype).removeprefix("torch."))
+                        str(tree.dtype).removeprefix("torch."), kind.memory(tree))
     if isinstance(tree, Mapping):
         return {k: _split(v, kind, leaves) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -123,7 +129,7 @@ def broadcast_tree(tree: Any, root: int = 0, comm: Communicator | None = None,
     skeleton = _split(tree, kind, leaves) if comm.rank == root else None
     skeleton = comm.broadcast_object(skeleton, root=root)
     if comm.rank != root:
-        leaves = [kind.empty(spec.shape, spec.dtype) for spec in _specs(skeleton)]
+        leaves = [kind.empty(spec.shape, spec.dtype, spec.memory) for spec in _specs(skeleton)]
     broadcast_arrays([(f"{name}.{i}", kind.buffer(leaf)) for i, leaf in enumerate(leaves)],
                      root=root, comm=comm)
     return tree if comm.rank == root else _join(skeleton, leaves)

@@ -31,6 +31,10 @@ class ArrayBridge:
         """Arrays go to the comm layer as they are."""
         return value
 
+    def stream(self, value: Any) -> Any:
+        """The current stream (device arrays are produced on it)."""
+        return None
+
     def nbytes(self, param: Any) -> int:
         """``param.data``'s size in bytes (its gradient's)."""
         return int(param.data.nbytes)

@@ -67,6 +67,9 @@ class GradientBridge(Protocol[P_contra]):
     def buffer(self, value: Any) -> Any:
         """A zero-copy array view of ``value`` that the comm layer accepts."""
 
+    def stream(self, value: Any) -> Any:
+        """The stream whose work produces a device ``value`` (``None``: the current one)."""
+
     def assign(self, param: P_contra, value: Any) -> None:
         """Store ``value`` as ``param``'s gradient, converted to the gradient's dtype
         (no-op when it already is the gradient)."""
@@ -297,13 +300,14 @@ class GradientReducer(Generic[P]):
         packed = [self.compression.compress(v) for v in grads]
         sent = [c for c, _ in packed]
         buffers = [self.bridge.buffer(c) for c in sent]
+        stream = self.bridge.stream(sent[0])
         name = f"grad.{self._group_name(group)}"
         if len(group) == 1:
             handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
-                                                self.postscale)
+                                                self.postscale, stream=stream)
         else:
             handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
-                                                        self.postscale)
+                                                        self.postscale, stream=stream)
 
         def collect() -> list[Any]:
             handle.wait()  # in place: the sent values hold the sums

@@ -10,6 +10,8 @@ segmented paths with small buffers.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 from helpers import (
@@ -91,18 +93,18 @@ def test_broadcast(comm: mt.Communicator, dtype: str) -> None:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("cross", ["0", "1"])
-def test_hierarchical_crossing_ranks(comm: mt.Communicator, env: pytest.MonkeyPatch,
+def test_hierarchical_crossing_ranks(comm: mt.Communicator, configure: Callable[..., Any],
                                      cross: str) -> None:
     """Each node's sum through its first rank, and every local rank's shard in parallel."""
-    env.setenv("MPITRAIN_CROSS_RANKS", cross)
+    configure(cross_ranks=cross)
     for dtype, op in (("float32", mt.Sum), ("int64", mt.Product)):
         check_allreduce(comm, "hierarchical", dtype, op, [comm.size - 1, 1001, 300_007])
 
 
 @pytest.mark.mpi(min_size=1)
-def test_hierarchical_segmented(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+def test_hierarchical_segmented(comm: mt.Communicator, configure: Callable[..., Any]) -> None:
     """Tiny pipeline segments: many segments in every phase, intra- and inter-node."""
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "40")
+    configure(segment_bytes="40")
     check_allreduce(comm, "hierarchical", "float32", mt.Sum, [comm.size - 1, 1001])
     check_reduce_scatter(comm, "hierarchical", "int16", mt.Sum, [37, 333])
     check_allgather(comm, "hierarchical", "uint8", [37, 401])

@@ -44,3 +44,19 @@ def test_train_benchmark_reports_a_perturbed_gradient_as_a_mismatch() -> None:
     assert result.rc not in (0, -1), result.out
     assert "# Mismatched models : 1 FAILED" in result.out
     assert "Verification      mlp" in result.out and "FAILED" in result.out
+
+
+def test_train_benchmark_checks_against_a_one_process_reference() -> None:
+    """--against reference (what --device cuda uses): no DDP; mpitrain's parameters
+    against a one-process training on every rank's batches, which a perturbed gradient
+    on one rank must fail."""
+    result = run(mpirun(2, [*SHORT, "--model", "mlp", "--against", "reference"]), TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert "|mpitrain - reference| / |reference update|" in result.out
+    assert "# Mismatched models : 0 OK" in result.out
+    rows = [line for line in result.out.splitlines() if line.startswith("      mlp")]
+    assert len(rows) == 2 and "1 rank" in rows[0] and "mpitrain" in rows[1], result.out
+    bad = run(mpirun(2, [*SHORT, "--model", "mlp", "--against", "reference",
+                         "--perturb", "0.1"]), TIMEOUT_S)
+    assert bad.rc not in (0, -1), bad.out
+    assert "# Mismatched models : 1 FAILED" in bad.out

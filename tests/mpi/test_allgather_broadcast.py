@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted
@@ -33,9 +35,9 @@ def test_allgather_uneven_rows(comm: mt.Communicator, algorithm: str, dtype: str
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "shm"])
-def test_allgather_segments(comm: mt.Communicator, env: pytest.MonkeyPatch,
+def test_allgather_segments(comm: mt.Communicator, configure: Callable[..., Any],
                             algorithm: str) -> None:
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "8")
+    configure(segment_bytes="8")
     for per_rank in (5, 37):
         y = comm.allgather(np.arange(comm.rank * per_rank, dtype=np.int16), algorithm=algorithm)
         expected = np.concatenate([np.arange(r * per_rank, dtype=np.int16)
@@ -71,9 +73,10 @@ def test_broadcast_from_every_root(comm: mt.Communicator, algorithm: str, dtype:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", BROADCAST)
-def test_broadcast_large(comm: mt.Communicator, env: pytest.MonkeyPatch, algorithm: str) -> None:
+def test_broadcast_large(comm: mt.Communicator, configure: Callable[..., Any],
+                         algorithm: str) -> None:
     for segment in ("", "1000"):  # default stripes, then many small ones
-        env.setenv("MPITRAIN_SEGMENT_BYTES", segment)
+        configure(segment_bytes=segment)
         x = crafted(comm.rank, 300_007, "float32", mt.Sum)
         comm.broadcast_(x, root=comm.size - 1, algorithm=algorithm)
         assert_equal_all_ranks(comm, x, crafted(comm.size - 1, 300_007, "float32", mt.Sum),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
@@ -60,11 +62,11 @@ def test_allreduce_million(comm: mt.Communicator) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", SEGMENTED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pipeline_segments(comm: mt.Communicator, env: pytest.MonkeyPatch, algorithm: str,
-                           dtype: str) -> None:
+def test_pipeline_segments(comm: mt.Communicator, configure: Callable[..., Any],
+                           algorithm: str, dtype: str) -> None:
     """Tiny segments reach the multi-segment pipeline (or stripes) with uneven chunks;
     Average's scaling rides the last reduction of each stripe."""
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "24")
+    configure(segment_bytes="24")
     for count in (comm.size - 1, 37, 1001):
         for op in (mt.Sum, mt.Product, mt.Average):
             x = crafted(comm.rank, count, dtype, op)

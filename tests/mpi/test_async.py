@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -177,14 +177,14 @@ def test_one_bucket_of_mixed_shapes_and_layouts(comm: mt.Communicator) -> None:
 @pytest.mark.parametrize("dtype,op", [("float32", mt.Sum), ("int64", mt.Average),
                                       ("float64", mt.Average), ("int16", mt.Max),
                                       ("float16", mt.Product)])
-def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.MonkeyPatch,
+def test_fused_buckets_without_packing(comm: mt.Communicator, configure: Callable[..., Any],
                                        segment: str, dtype: str, op: mt.ReduceOp) -> None:
     """Buckets that the shared-memory allreduce takes as they are (no fusion buffer):
     uneven sizes whose chunk and stripe boundaries fall inside arrays, empty, strided and
     2-d arrays, in the slot (small total) and in stripes (large total or, with 48-byte
     segments, many rounds), in place and out of place, with Average's scaling."""
     if segment:
-        env.setenv("MPITRAIN_SEGMENT_BYTES", segment)
+        configure(segment_bytes=segment)
     for total in (97, 40_009):
         sizes = [0, 1, 5, total // 3, 0, 7, total - total // 3 - 13]
         bounds = list(zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)))
@@ -222,15 +222,15 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, env: pytest.Monkey
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("segment", ["", "48"])
-def test_in_place_arrays_that_share_memory(comm: mt.Communicator, env: pytest.MonkeyPatch,
-                                           segment: str) -> None:
+def test_in_place_arrays_that_share_memory(comm: mt.Communicator,
+                                           configure: Callable[..., Any], segment: str) -> None:
     """The same array twice and two overlapping views, in place in one bucket (a
     group: separate submissions may run in separate cycles, one after the other):
     every element ends as the reduction of its original values, as with a fusion
     buffer, also when the bucket takes many stripe rounds (48-byte segments) and a
     later round would read what an earlier one wrote."""
     if segment:
-        env.setenv("MPITRAIN_SEGMENT_BYTES", segment)
+        configure(segment_bytes=segment)
     values = crafted(comm.rank, 100, "float64", mt.Sum)
     full = reference(comm.size, 100, "float64", mt.Sum)
     x, y = values[:50].copy(), values[50:].copy()
@@ -398,8 +398,9 @@ def test_unnamed_runs_cut_differently_per_rank(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_threshold_zero_turns_fusion_off(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
-    env.setenv("MPITRAIN_FUSION_THRESHOLD", "0")
+def test_threshold_zero_turns_fusion_off(comm: mt.Communicator,
+                                         configure: Callable[..., Any]) -> None:
+    configure(fusion_threshold="0")
     before = comm.async_stats()
     handles = [comm.allreduce_async(np.full(4, i, np.int16)) for i in range(10)]
     for i, h in enumerate(handles):
@@ -540,9 +541,12 @@ def test_local_misuse_raises_at_submission(comm: mt.Communicator) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_collective_errors_reach_every_rank(comm: mt.Communicator,
                                             env: pytest.MonkeyPatch) -> None:
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "bogus")  # read while planning, in the engine
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise mt.ArgumentError("planning failed on purpose")
+
+    env.setattr(comm.engine().dispatcher, "plan", broken)  # fails in the engine's thread
     h = comm.allreduce_async(np.ones(10), name="bad", algorithm="ring")
-    with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='bogus'"):
+    with pytest.raises(ValueError, match="planning failed on purpose"):
         h.wait()
     # a bucket of requests of one spec, one of several specs, one of a group's arrays
     # (each batch waited before the next, so that each is its own bucket): all fail
@@ -554,9 +558,9 @@ def test_collective_errors_reach_every_rank(comm: mt.Communicator,
                                                      algorithm="ring")]]
     for submit in batches:
         for handle in submit():
-            with pytest.raises(ValueError, match="MPITRAIN_SEGMENT_BYTES='bogus'"):
+            with pytest.raises(ValueError, match="planning failed on purpose"):
                 handle.wait()
-    env.delenv("MPITRAIN_SEGMENT_BYTES")
+    env.undo()
     assert mt.poll(h)
     assert_equal_all_ranks(comm, comm.allreduce_async(np.ones(2), name="bad").wait(),
                            np.full(2, comm.size, float), "engine survives")

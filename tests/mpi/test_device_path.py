@@ -10,11 +10,13 @@ slots reach the multi-segment pipeline and the slot queues with small buffers.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
-from fake_device import FakeDeviceArray, fake_backend, to_device
+from fake_device import FakeDeviceArray, ForeignDeviceArray, fake_backend, to_device
 from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
@@ -30,11 +32,9 @@ def counts(size: int) -> list[int]:
 
 
 @pytest.fixture(params=list(POLICIES))
-def policy(request: pytest.FixtureRequest, env: pytest.MonkeyPatch) -> str:
+def policy(request: pytest.FixtureRequest, configure: Callable[..., Any]) -> str:
     """Run the test under both device policies, with tiny segments and few slots."""
-    env.setenv("MPITRAIN_CUDA_AWARE", POLICIES[request.param])
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "16")
-    env.setenv("MPITRAIN_STAGING_SLOTS", "2")
+    configure(cuda_aware=POLICIES[request.param], segment_bytes="16", staging_slots=2)
     return str(request.param)
 
 
@@ -148,11 +148,10 @@ def test_fused_async_allreduce(comm: mt.Communicator, policy: str, inplace: bool
 
 
 @pytest.mark.mpi(min_size=2)
-def test_one_slot_and_many_segments(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+def test_one_slot_and_many_segments(comm: mt.Communicator,
+                                    configure: Callable[..., Any]) -> None:
     """One pinned slot per direction: every segment queues behind the previous one."""
-    env.setenv("MPITRAIN_CUDA_AWARE", "0")
-    env.setenv("MPITRAIN_STAGING_SLOTS", "1")
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "64")
+    configure(cuda_aware=False, staging_slots=1, segment_bytes="64")
     with fake_backend(seed(comm, "one slot")):
         count = 2053
         x = to_device(crafted(comm.rank, count, "float32", mt.Sum))
@@ -169,3 +168,102 @@ def test_numpy_arrays_keep_the_host_path(comm: mt.Communicator) -> None:
     x = np.ones(5, np.float32)
     y = comm.allreduce(x, stream="ignored for numpy")
     assert type(y) is np.ndarray and y[0] == comm.size
+
+
+# -- another library's device arrays (a torch CUDA tensor's role) -----------------------
+@pytest.mark.mpi(min_size=1)
+def test_foreign_arrays_in_place_async(comm: mt.Communicator, policy: str) -> None:
+    """In-place async collectives on foreign device arrays, which the backend sees
+    through a new view (as CuPy sees a torch CUDA tensor): the results must land in the
+    caller's memory, as the blocking calls' do (the engine once refused them)."""
+    with fake_backend(seed(comm, policy, "foreign")):
+        for count in counts(comm.size):
+            x = ForeignDeviceArray(to_device(crafted(comm.rank, count, "float32", mt.Sum)))
+            assert comm.allreduce_async_(x).wait() is x
+            assert_equal_all_ranks(comm, host(x.memory),
+                                   reference(comm.size, count, "float32", mt.Sum),
+                                   f"allreduce_async_ n={count}")
+            group = [ForeignDeviceArray(to_device(crafted(comm.rank + i, count + i, "float64",
+                                                          mt.Sum))) for i in range(3)]
+            assert comm.grouped_allreduce_async_(group).wait() == group
+            for i, g in enumerate(group):
+                want = sum(crafted(r + i, count + i, "float64", mt.Sum) for r in range(comm.size))
+                assert_equal_all_ranks(comm, host(g.memory), want, f"grouped #{i} n={count}")
+            root = comm.size - 1
+            b = ForeignDeviceArray(to_device(crafted(comm.rank, count, "int32", mt.Sum)))
+            assert comm.broadcast_async_(b, root=root).wait() is b
+            assert_equal_all_ranks(comm, host(b.memory), crafted(root, count, "int32", mt.Sum),
+                                   f"broadcast_async_ n={count}")
+            assert comm.allreduce_(x) is x  # and the blocking call, for comparison
+            out = comm.allreduce_async(x, op=mt.Max).wait()
+            assert_equal_all_ranks(comm, host(out), host(x.memory), f"out of place n={count}")
+
+
+# -- sends that wait for their receive, beyond the slots --------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_staged_ring_with_more_segments_than_slots(comm: mt.Communicator, env: pytest.MonkeyPatch,
+                                                    slots: int) -> None:
+    """The staged ring with rendezvous sends (a send completes only once its receive is
+    matched: fake_backend posts them as MPI_Issend) and many more segments per chunk than
+    pinned slots: at 3+ ranks, forwards that held a receive slot until their send
+    completed deadlocked every rank. A stall timeout turns a hang into a failure."""
+    env.setenv("MPITRAIN_STALL_TIMEOUT_S", "30")
+    c = mt.Communicator(comm.mpi_comm, settings=mt.Settings.from_environment(
+        cuda_aware=False, staging_slots=slots, segment_bytes=64))
+    try:
+        with fake_backend(seed(c, "rendezvous", slots)):
+            for dtype in ("int8", "int16", "float32", "float64"):
+                count = 40 * c.size * 64 // np.dtype(dtype).itemsize + 3
+                x = to_device(crafted(c.rank, count, dtype, mt.Sum))
+                assert_equal_all_ranks(c, host(c.allreduce(x, algorithm="ring")),
+                                       reference(c.size, count, dtype, mt.Sum),
+                                       f"allreduce {dtype}")
+                rows = 8 * c.size + 1
+                y = to_device(crafted(c.rank, rows * 33, dtype, mt.Sum)).reshape(rows, 33)
+                want = np.array_split(reference(c.size, rows * 33, dtype, mt.Sum)
+                                      .reshape(rows, 33), c.size)[c.rank]
+                assert_equal_all_ranks(c, host(c.reduce_scatter(y, algorithm="ring")), want,
+                                       f"reduce_scatter {dtype}")
+                blocks = [crafted(r, 700 + r, dtype, mt.Sum) for r in range(c.size)]
+                got = c.allgather(to_device(blocks[c.rank]), algorithm="ring")
+                assert_equal_all_ranks(c, host(got), np.concatenate(blocks), f"allgather {dtype}")
+    finally:
+        c.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_late_to_a_staged_ring_is_a_stall(comm: mt.Communicator,
+                                                 env: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks waiting in the staged transport for a rank that has not called the
+    collective are seen by the stall inspector as on the host path: a warning naming
+    the late rank and the collective, then StallError at the timeout."""
+    env.setenv("MPITRAIN_STALL_WARNING_S", "0.5")
+    env.setenv("MPITRAIN_STALL_TIMEOUT_S", "2")
+    c = mt.Communicator(comm.mpi_comm, check=False,  # no validation: straight into the ring
+                        settings=mt.Settings.from_environment(cuda_aware=False,
+                                                              staging_slots=2,
+                                                              segment_bytes=64))
+    late = c.size - 1
+    error = ""
+    try:
+        with fake_backend(seed(c, "late")), caplog.at_level("WARNING", logger="mpitrain"):
+            x = to_device(crafted(c.rank, 5000, "float32", mt.Sum))
+            if c.rank == late:
+                time.sleep(4)  # the others stall, and are gone when this rank comes
+            try:
+                c.allreduce(x, algorithm="ring")
+                error = "no StallError"
+            except mt.StallError as exc:
+                text = str(exc)
+                if c.rank != late and not re.search(rf"allreduce .*rank {late} has not "
+                                                    "called it", text):
+                    error = f"StallError does not name rank {late}: {text}"
+            warned = " ".join(r.getMessage() for r in caplog.records)
+            if c.rank != late and not re.search(rf"allreduce .*rank {late} has not called it",
+                                                warned):
+                error = error or f"no warning named rank {late}: {warned!r}"
+    finally:
+        c.free()  # a stalled communicator frees only what it can
+    assert_all_ranks(comm, not error, error)

@@ -1,142 +1,222 @@
-"""Every collective on GPU buffers against a numpy reference computed on the host.
+"""Every collective on device buffers against a numpy reference computed on the host.
 
-Skipped without CuPy and a CUDA device. Ranks of a node share its GPUs
-(``local_rank % count``). Each test runs under the staged policy, and under the
-CUDA-aware one too when this MPI library is CUDA-aware. Inputs are the crafted
-values of ``tests/helpers.py``: their reductions are exact in every dtype, so
-results compare with ``==``.
+The matrix runs on two devices: a real GPU through CuPy (skipped without CuPy and a
+CUDA device; ranks of a node share its GPUs, ``local_rank % count``), and the fake GPU
+of ``tests/fake_device.py`` everywhere, whose streams run late and out of order and
+whose sends complete only when matched (``MPI_Issend``), so that missing
+synchronization and waits on a peer's receive show on a machine without a GPU (the
+fake's messages are smaller: its "kernels" are numpy calls queued in Python). Each
+test runs under the staged policy and the CUDA-aware one (on a real GPU only when this
+MPI library is CUDA-aware; the fake's memory is host memory, which any MPI reads).
+Inputs are the crafted values of ``tests/helpers.py``: their reductions are exact in
+every dtype, so results compare with ``==``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
-from gpu import cupy, requires_gpu, use_local_device
+from fake_device import FakeBackend, FakeDeviceArray, fake_backend, to_device
+from gpu import cupy, use_local_device
 from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
 from mpitrain.backends.cuda_aware import detected
 
-pytestmark = requires_gpu
-
-POLICIES = ["staged"] + (["cuda-aware"] if cupy is not None and detected().aware else [])
 ALGORITHMS = ["auto", "ring", "mpi"]
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
 
-def counts(size: int) -> list[int]:
-    """0, 1, fewer than ranks, not divisible by 2..5, and ~1e6."""
-    return sorted({0, 1, max(size - 1, 0), 1001, 1_000_003})
+class CupyArrays:
+    """Arrays on this rank's GPU."""
+
+    name = "cupy"
+    big = 1_000_003  # elements of the largest allreduce (a 4 MiB float32 buffer)
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def put(self, host: np.ndarray[Any, Any]) -> Any:
+        """A device copy of ``host``."""
+        return cupy.asarray(host)
+
+    def get(self, arr: Any) -> np.ndarray[Any, Any]:
+        """A result's host copy, after checking that it is a CuPy array on our GPU."""
+        assert isinstance(arr, cupy.ndarray), f"expected a cupy array, got {type(arr)}"
+        assert arr.device.id == self.device, \
+            f"result on GPU {arr.device.id}, input on GPU {self.device}"
+        return np.asarray(cupy.asnumpy(arr))
+
+    def side_stream(self) -> Any:
+        """A stream that does not synchronize with the default one."""
+        return cupy.cuda.Stream(non_blocking=True)
+
+    def produced_on(self, stream: Any, host: np.ndarray[Any, Any], factor: float) -> Any:
+        """``host * factor`` computed by a kernel queued on ``stream``."""
+        with stream:
+            return cupy.asarray(host) * factor
 
 
-@pytest.fixture(params=POLICIES)
-def policy(request: pytest.FixtureRequest, comm: mt.Communicator,
-           env: pytest.MonkeyPatch) -> int:
-    """The device policy under test; returns this rank's GPU."""
-    env.setenv("MPITRAIN_CUDA_AWARE", "1" if request.param == "cuda-aware" else "0")
-    assert comm.cuda_policy == request.param
-    return use_local_device(comm.local_rank)
+class FakeArrays:
+    """Arrays on the fake GPU of ``fake_device.py``."""
+
+    name = "fake"
+    big = 40_009  # above the default segment size of small types, far above eager
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+
+    def put(self, host: np.ndarray[Any, Any]) -> Any:
+        """A device copy of ``host`` (ready at once)."""
+        return to_device(host)
+
+    def get(self, arr: Any) -> np.ndarray[Any, Any]:
+        """A result's contents, after checking that it is a fake device array."""
+        assert isinstance(arr, FakeDeviceArray), f"expected a device array, got {type(arr)}"
+        return np.asarray(arr).view(np.ndarray)
+
+    def side_stream(self) -> Any:
+        """A new fake stream."""
+        return self.backend.fake.new_stream()
+
+    def produced_on(self, stream: Any, host: np.ndarray[Any, Any], factor: float) -> Any:
+        """``host * factor`` computed by "kernels" queued on ``stream`` (run late)."""
+        be = self.backend
+        with stream:
+            out = be.empty(host.size, host.dtype)
+            be.copy_into(out, host)
+            be.scale(out, factor)
+        return out
 
 
-def on_host(arr: Any, device: int) -> np.ndarray[Any, Any]:
-    """A result's host copy, after checking it is a CuPy array on ``device``."""
-    assert isinstance(arr, cupy.ndarray), f"expected a cupy array, got {type(arr)}"
-    assert arr.device.id == device, f"result on GPU {arr.device.id}, input on GPU {device}"
-    return np.asarray(cupy.asnumpy(arr))
+Arrays = Any  # CupyArrays or FakeArrays
+FAKE_DIRECT_DTYPES = ("int8", "float16", "float32", "bfloat16", "int64", "complex128")
+"""The dtypes of the CUDA-aware policy on the fake GPU (its transport hands buffers to MPI
+as they are, the same for every dtype; the staged policy takes every dtype), to keep
+make test short."""
+PARAMS = [pytest.param(("fake", "staged"), id="fake-staged"),
+          pytest.param(("fake", "cuda-aware"), id="fake-cuda-aware"),
+          pytest.param(("cupy", "staged"), id="cupy-staged",
+                       marks=pytest.mark.skipif(cupy is None, reason="no GPU here")),
+          pytest.param(("cupy", "cuda-aware"), id="cupy-cuda-aware", marks=pytest.mark.skipif(
+              cupy is None or not detected().aware, reason="no CUDA-aware MPI on a GPU here"))]
+
+
+@pytest.fixture(params=PARAMS)
+def dev(request: pytest.FixtureRequest, comm: mt.Communicator,
+        configure: Callable[..., Any]) -> Iterator[Arrays]:
+    """The device under test and its policy (staged or CUDA-aware)."""
+    kind, policy = request.param
+    dtype = getattr(request.node, "callspec", None) and request.node.callspec.params.get("dtype")
+    if kind == "fake" and policy == "cuda-aware" and dtype and dtype not in FAKE_DIRECT_DTYPES:
+        pytest.skip(f"the fake GPU's CUDA-aware policy runs {', '.join(FAKE_DIRECT_DTYPES)}")
+    if comm.cuda_policy != policy:  # (the same on every rank) no replanning when it is
+        configure(cuda_aware=policy == "cuda-aware")
+    assert comm.cuda_policy == policy
+    if kind == "cupy":
+        yield CupyArrays(use_local_device(comm.local_rank))
+        return
+    with fake_backend(comm.rank * 7919 + sum(map(ord, request.node.name))) as backend:
+        yield FakeArrays(backend)
+
+
+def counts(size: int, big: int) -> list[int]:
+    """0, 1, fewer than ranks, not divisible by 2..5, and ``big``."""
+    return sorted({0, 1, max(size - 1, 0), 1001, big})
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
-def test_allreduce(comm: mt.Communicator, policy: int, algorithm: str, dtype: str,
+def test_allreduce(comm: mt.Communicator, dev: Arrays, algorithm: str, dtype: str,
                    op: mt.ReduceOp) -> None:
-    for count in counts(comm.size):
+    for count in counts(comm.size, dev.big):
         expected = reference(comm.size, count, dtype, op)
-        x = cupy.asarray(crafted(comm.rank, count, dtype, op))
+        x = dev.put(crafted(comm.rank, count, dtype, op))
         y = comm.allreduce(x, op=op, algorithm=algorithm)
-        assert_equal_all_ranks(comm, on_host(y, policy), expected,
-                               f"allreduce {algorithm} n={count}")
+        assert_equal_all_ranks(comm, dev.get(y), expected, f"allreduce {algorithm} n={count}")
         assert comm.allreduce_(x, op=op, algorithm=algorithm) is x
-        assert_equal_all_ranks(comm, on_host(x, policy), expected,
-                               f"allreduce_ {algorithm} n={count}")
+        assert_equal_all_ranks(comm, dev.get(x), expected, f"allreduce_ {algorithm} n={count}")
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
-def test_reduce_scatter(comm: mt.Communicator, policy: int, algorithm: str, dtype: str,
+def test_reduce_scatter(comm: mt.Communicator, dev: Arrays, algorithm: str, dtype: str,
                         op: mt.ReduceOp) -> None:
-    for rows in sorted({1, comm.size, 2 * comm.size + 1, 250_001}):
+    for rows in sorted({1, comm.size, 2 * comm.size + 1, dev.big // 4}):
         full = reference(comm.size, rows * 4, dtype, op).reshape(rows, 4)
-        x = cupy.asarray(crafted(comm.rank, rows * 4, dtype, op)).reshape(rows, 4)
+        x = dev.put(crafted(comm.rank, rows * 4, dtype, op)).reshape(rows, 4)
         got = comm.reduce_scatter(x, op=op, algorithm=algorithm)
-        assert_equal_all_ranks(comm, on_host(got, policy),
-                               np.array_split(full, comm.size)[comm.rank],
+        assert_equal_all_ranks(comm, dev.get(got), np.array_split(full, comm.size)[comm.rank],
                                f"reduce_scatter {algorithm} rows={rows}")
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "mpi"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_allgather_and_broadcast(comm: mt.Communicator, policy: int, algorithm: str,
+def test_allgather_and_broadcast(comm: mt.Communicator, dev: Arrays, algorithm: str,
                                  dtype: str) -> None:
-    for rows in (0, 1, 1001, 300_007):
+    for rows in (0, 1, 1001, dev.big // 3):
         mine = rows + comm.rank % 2
-        x = cupy.asarray(crafted(comm.rank, mine * 3, dtype, mt.Sum)).reshape(mine, 3)
+        x = dev.put(crafted(comm.rank, mine * 3, dtype, mt.Sum)).reshape(mine, 3)
         want = np.concatenate([crafted(r, (rows + r % 2) * 3, dtype, mt.Sum)
                                for r in range(comm.size)]).reshape(-1, 3)
-        assert_equal_all_ranks(comm, on_host(comm.allgather(x, algorithm=algorithm), policy),
-                               want, f"allgather {algorithm} rows={rows}")
+        assert_equal_all_ranks(comm, dev.get(comm.allgather(x, algorithm=algorithm)), want,
+                               f"allgather {algorithm} rows={rows}")
     if algorithm == "ring":
         return  # broadcast has MPI's algorithm only
     root = comm.size - 1
-    for count in (1, 1_000_003):
-        b = cupy.asarray(crafted(comm.rank, count, dtype, mt.Sum))
+    for count in (1, dev.big):
+        b = dev.put(crafted(comm.rank, count, dtype, mt.Sum))
         want = crafted(root, count, dtype, mt.Sum)
-        assert_equal_all_ranks(comm, on_host(comm.broadcast(b, root=root, algorithm=algorithm),
-                                             policy), want, "broadcast")
+        assert_equal_all_ranks(comm, dev.get(comm.broadcast(b, root=root, algorithm=algorithm)),
+                               want, "broadcast")
         comm.broadcast_(b, root=root, algorithm=algorithm)
-        assert_equal_all_ranks(comm, on_host(b, policy), want, "broadcast_")
+        assert_equal_all_ranks(comm, dev.get(b), want, "broadcast_")
 
 
 @pytest.mark.mpi(min_size=1)
-def test_scaling_streams_and_pipeline(comm: mt.Communicator, policy: int,
-                                      env: pytest.MonkeyPatch) -> None:
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "4K")
-    env.setenv("MPITRAIN_STAGING_SLOTS", "2")
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:  # the input is produced by a kernel on the side stream
-        x = cupy.asarray(crafted(comm.rank, 100_003, "float32", mt.Sum)) * 2
+def test_scaling_streams_and_pipeline(comm: mt.Communicator, dev: Arrays,
+                                      configure: Callable[..., Any]) -> None:
+    configure(segment_bytes="4K", staging_slots=2)
+    stream = dev.side_stream()
+    n = 100_003 if dev.name == "cupy" else 20_011
+    x = dev.produced_on(stream, crafted(comm.rank, n, "float32", mt.Sum), 2.0)
     y = comm.allreduce(x, op=mt.Average, algorithm="ring", prescale_factor=0.5,
                        postscale_factor=3.0, stream=stream)
-    want = reference(comm.size, 100_003, "float32", mt.Sum) * 3.0 / comm.size
-    assert_all_ranks(comm, bool(np.allclose(on_host(y, policy), want, rtol=1e-6)),
+    want = reference(comm.size, n, "float32", mt.Sum) * 3.0 / comm.size
+    assert_all_ranks(comm, bool(np.allclose(dev.get(y), want, rtol=1e-6)),
                      "scaled allreduce on a side stream")
-    ints = cupy.asarray(crafted(comm.rank, 100_003, "int32", mt.Sum))
+    ints = dev.put(crafted(comm.rank, n, "int32", mt.Sum))
     got = comm.allreduce(ints, algorithm="ring", postscale_factor=0.25)
-    want_ints = np.floor(reference(comm.size, 100_003, "int32", mt.Sum) * 0.25).astype(np.int32)
-    assert_equal_all_ranks(comm, on_host(got, policy), want_ints, "integer postscale")
-    square = cupy.asarray(crafted(comm.rank, 64, "float64", mt.Sum)).reshape(8, 8)
+    want_ints = np.floor(reference(comm.size, n, "int32", mt.Sum) * 0.25).astype(np.int32)
+    assert_equal_all_ranks(comm, dev.get(got), want_ints, "integer postscale")
+    square = dev.put(crafted(comm.rank, 64, "float64", mt.Sum)).reshape(8, 8)
     view = square.T
     assert comm.allreduce_(view) is view
-    assert_equal_all_ranks(comm, on_host(square, policy),
+    assert_equal_all_ranks(comm, dev.get(square),
                            reference(comm.size, 64, "float64", mt.Sum).reshape(8, 8),
                            "allreduce_ of a transposed device view")
 
 
 @pytest.mark.mpi(min_size=1)
-def test_torch_cuda_tensors(comm: mt.Communicator, policy: int) -> None:
+def test_torch_cuda_tensors(comm: mt.Communicator, dev: Arrays) -> None:
+    """torch CUDA tensors in and out of place (on the fake GPU: tests/mpi/test_torch_*.py,
+    through the torch_device fixture)."""
+    if dev.name != "cupy":
+        pytest.skip("CUDA tensors need a GPU")
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
     for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         host = crafted(comm.rank, 1001, dtype, mt.Sum)
-        t = torch.tensor(host.astype(np.float32), device=f"cuda:{policy}").to(torch_dtype)
+        t = torch.tensor(host.astype(np.float32), device=f"cuda:{dev.device}").to(torch_dtype)
         expected = reference(comm.size, 1001, dtype, mt.Sum)
         out = comm.allreduce(t)
-        assert_equal_all_ranks(comm, on_host(out, policy), expected, f"torch {dtype}")
+        assert_equal_all_ranks(comm, dev.get(out), expected, f"torch {dtype}")
         assert comm.allreduce_(t) is t  # written in place through the DLPack view
         back = t.float().cpu().numpy().astype(expected.dtype)
         assert_equal_all_ranks(comm, back, expected, f"torch {dtype} in place")

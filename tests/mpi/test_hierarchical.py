@@ -20,6 +20,7 @@ from helpers import (
     check_allgather,
     check_allreduce,
     check_reduce_scatter,
+    configured,
     crafted,
     ops_for,
     reference,
@@ -111,13 +112,12 @@ def test_every_layout(emulated: Emulated) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_every_layout_segmented(emulated: Emulated, env: pytest.MonkeyPatch) -> None:
+def test_every_layout_segmented(emulated: Emulated) -> None:
     """Tiny pipeline segments reach the multi-segment paths of every phase."""
-    c, _ = emulated
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "24")
-    check_allreduce(c, "hierarchical", "float32", mt.Sum, [c.size - 1, 37, 1001])
-    check_reduce_scatter(c, "hierarchical", "int16", mt.Sum, [37, 333])
-    check_allgather(c, "hierarchical", "uint8", [37, 401])
+    with configured(emulated[0], segment_bytes="24") as c:
+        check_allreduce(c, "hierarchical", "float32", mt.Sum, [c.size - 1, 37, 1001])
+        check_reduce_scatter(c, "hierarchical", "int16", mt.Sum, [37, 333])
+        check_allgather(c, "hierarchical", "uint8", [37, 401])
 
 
 @pytest.mark.mpi(min_size=1)
@@ -136,13 +136,12 @@ def test_crossing_ranks(emulated: Emulated, env: pytest.MonkeyPatch, cross: str)
     """MPITRAIN_CROSS_RANKS: every node's sum through its first rank (1), through every
     rank in parallel (0, or more than the smallest node has), or through two; pipelined
     in pieces and not."""
-    c, _ = emulated
-    env.setenv("MPITRAIN_CROSS_RANKS", cross)
-    check_allreduce(c, "hierarchical", "float64", mt.Sum, [1, c.size + 1, 1001, 100_003])
-    env.setattr(hierarchical, "PIECE_BYTES", 64)
-    env.setattr(hierarchical, "MAX_PIECES", 5)
-    check_allreduce(c, "hierarchical", "int16", mt.Sum, [97, 4099])
-    check_allreduce(c, "hierarchical", "bfloat16", mt.Max, [4099])
+    with configured(emulated[0], cross_ranks=cross) as c:
+        check_allreduce(c, "hierarchical", "float64", mt.Sum, [1, c.size + 1, 1001, 100_003])
+        env.setattr(hierarchical, "PIECE_BYTES", 64)
+        env.setattr(hierarchical, "MAX_PIECES", 5)
+        check_allreduce(c, "hierarchical", "int16", mt.Sum, [97, 4099])
+        check_allreduce(c, "hierarchical", "bfloat16", mt.Max, [4099])
 
 
 @pytest.mark.mpi(min_size=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -87,10 +87,11 @@ def run_uneven(comm: mt.Communicator, counts: list[int], dtype: Any, op: mt.Redu
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("fusion", ["fused", "unfused"])
-def test_uneven_allreduces(comm: mt.Communicator, env: pytest.MonkeyPatch, fusion: str) -> None:
+def test_uneven_allreduces(comm: mt.Communicator, configure: Callable[..., Any],
+                           fusion: str) -> None:
     """Rank r does r + 1 allreduces, of every dtype and op, then joins."""
     if fusion == "unfused":
-        env.setenv("MPITRAIN_FUSION_THRESHOLD", "0")
+        configure(fusion_threshold=0)
     wrong = []
     for dtype in DTYPES:
         for op in OPS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 
@@ -46,9 +48,9 @@ def test_bad_arguments(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_env_algorithm(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
-    env.setenv("MPITRAIN_ALGORITHM", "ring")
+def test_env_algorithm(comm: mt.Communicator, configure: Callable[..., Any]) -> None:
+    configure(algorithm="ring")
     assert comm.allreduce(np.ones(3))[0] == comm.size
-    env.setenv("MPITRAIN_ALGORITHM", "bogus")
+    configure(algorithm="bogus")
     with pytest.raises(ValueError, match="bogus"):
         comm.allreduce(np.ones(3))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
@@ -40,9 +42,9 @@ def test_reduce_scatter_large(comm: mt.Communicator, algorithm: str) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "shm"])
-def test_reduce_scatter_segments_and_1d(comm: mt.Communicator, env: pytest.MonkeyPatch,
+def test_reduce_scatter_segments_and_1d(comm: mt.Communicator, configure: Callable[..., Any],
                                         algorithm: str) -> None:
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "16")
+    configure(segment_bytes="16")
     for count in (comm.size - 1, 50, 1001):
         for op in (mt.Sum, mt.Min):
             x = crafted(comm.rank, count, "float64", op)

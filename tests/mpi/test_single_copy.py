@@ -4,7 +4,7 @@ turns it off on every rank when any rank cannot or will not use it."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -47,9 +47,9 @@ def test_allgather_every_dtype(single: mt.Communicator, dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_stripes_and_in_place(single: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+def test_stripes_and_in_place(single: mt.Communicator, configure: Callable[..., Any]) -> None:
     """Many stripes (a 64-byte segment), Average with scaling, in place."""
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "64")
+    configure(segment_bytes="64")
     for dtype in ("float64", "float16", "int32"):
         check_allreduce(single, "single_copy", dtype, mt.Sum, [single.size + 1, 999])
         check_rs(single, "single_copy", dtype, mt.Max, [1001])

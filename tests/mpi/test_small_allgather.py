@@ -132,8 +132,8 @@ def test_out_sized_for_the_plan_but_rows_differ_raises_everywhere(
 
 
 @pytest.mark.mpi(min_size=1)
-def test_plans_follow_shape_algorithm_and_configuration(comm: mt.Communicator,
-                                                        env: pytest.MonkeyPatch) -> None:
+def test_plans_follow_shape_algorithm_and_configuration(
+        comm: mt.Communicator, configure: Callable[..., Any]) -> None:
     d, n, r = comm.dispatcher, comm.size, comm.rank
     a = block_of(r, 4, np.float32)
     want = gathered(n, 4, np.float32)
@@ -152,15 +152,15 @@ def test_plans_follow_shape_algorithm_and_configuration(comm: mt.Communicator,
     assert plan.sig is not None and plan.sig.algorithm == "auto"
     assert d.small_allgather(a, "ring") is None  # asked for: general path
     assert_equal_all_ranks(comm, comm.allgather(a, algorithm="ring"), want, "ring")
-    env.setenv("MPITRAIN_CHECK", "0")  # allgather validates anyway (the rows travel)
+    saved = configure(check=False)  # allgather validates anyway (the rows travel)
     unchecked = fast(comm, a)
     assert unchecked is not plan and unchecked.sig == plan.sig
-    env.setenv("MPITRAIN_SEGMENT_BYTES", "16")  # the gathered array needs the stripes
+    configure(segment_bytes=16)  # the gathered array needs the stripes
     assert d.small_allgather(a) is None
     assert_equal_all_ranks(comm, comm.allgather(a), want, "segmented")
-    env.setenv("MPITRAIN_SEGMENT_BYTES", str(a.nbytes * n))
+    configure(segment_bytes=a.nbytes * n)
     fast(comm, a)
-    env.undo()
+    configure(saved)
     again = fast(comm, a)
     assert again is not plan and again.sig == plan.sig  # planned again, same checks
     big = np.ones((SLOT_BYTES // 4 + 1, 1), np.float32)  # over a slot
@@ -171,14 +171,14 @@ def test_plans_follow_shape_algorithm_and_configuration(comm: mt.Communicator,
 
 @pytest.mark.mpi(min_size=2)
 def test_a_table_that_may_pick_single_copy_keeps_the_general_path(
-        comm: mt.Communicator, env: pytest.MonkeyPatch, tmp_path_factory: Any) -> None:
+        comm: mt.Communicator, configure: Callable[..., Any], tmp_path_factory: Any) -> None:
     """single_copy reads every rank's block address from the exchange, which the fast
     path does not publish: where a tuning file may choose it, no allgather plan is made."""
     n, r = comm.size, comm.rank
     path = Path(tmp_path_factory.mktemp(f"rank{r}")) / "rules.json"
     path.write_text(json.dumps({"rules": [
         {"collective": "allgather", "algorithm": "single_copy", "min_bytes": 1 << 16}]}))
-    env.setenv("MPITRAIN_TUNING_FILE", str(path))
+    configure(tuning_file=str(path))
     small = block_of(r, 2, np.float32)
     single_copy = comm.dispatcher.shm is not None and comm.dispatcher.shm.single_copy
     plan = comm.dispatcher.small_allgather(small)

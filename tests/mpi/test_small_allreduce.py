@@ -108,7 +108,7 @@ def test_shapes_and_strides(comm: mt.Communicator, shape: tuple[int, ...]) -> No
 
 @pytest.mark.mpi(min_size=1)
 def test_plans_follow_dtype_shape_op_and_configuration(comm: mt.Communicator,
-                                                       env: pytest.MonkeyPatch) -> None:
+                                                       configure: Callable[..., Any]) -> None:
     d = comm.dispatcher
     a = np.ones(8, np.float32)
     plan = fast(comm, a)
@@ -124,18 +124,17 @@ def test_plans_follow_dtype_shape_op_and_configuration(comm: mt.Communicator,
     if comm.size > 1:
         assert plan.sig is not None
         assert d.small_allreduce(a, mt.Sum, "ring") is None  # asked for: general path
-        env.setenv("MPITRAIN_CHECK", "0")
+        saved = configure(check=False)
         unchecked = fast(comm, a)
         assert unchecked is not plan and unchecked.sig is None
         assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "unchecked")
-        env.setenv("MPITRAIN_ALGORITHM", "ring")  # not the shm algorithm: general path
+        configure(algorithm="ring")  # not the shm algorithm: general path
         assert d.small_allreduce(a, mt.Sum) is None
         assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "ring")
-        env.delenv("MPITRAIN_ALGORITHM")
-        env.setenv("MPITRAIN_SEGMENT_BYTES", "16")  # 32 bytes do not fit a 16-byte slot
+        configure(algorithm="auto", segment_bytes=16)  # 32 bytes do not fit a 16-byte slot
         assert d.small_allreduce(a, mt.Sum) is None
         assert_equal_all_ranks(comm, comm.allreduce(a), a * comm.size, "segmented")
-        env.undo()
+        configure(saved)
         again = fast(comm, a)
         assert again is not plan and again.sig == plan.sig  # planned again, same checks
     big = np.ones(SLOT_BYTES // 4 + 1, np.float32)  # over a slot

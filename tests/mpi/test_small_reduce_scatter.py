@@ -90,8 +90,8 @@ def test_shapes_strides_and_average(comm: mt.Communicator, shape: tuple[int, ...
 
 
 @pytest.mark.mpi(min_size=1)
-def test_plans_follow_shape_op_algorithm_and_configuration(comm: mt.Communicator,
-                                                           env: pytest.MonkeyPatch) -> None:
+def test_plans_follow_shape_op_algorithm_and_configuration(
+        comm: mt.Communicator, configure: Callable[..., Any]) -> None:
     d, n = comm.dispatcher, comm.size
     a = np.ones((2 * n, 4), np.float32)
     want = block(comm, a * n)
@@ -109,14 +109,14 @@ def test_plans_follow_shape_op_algorithm_and_configuration(comm: mt.Communicator
         assert plan.sig is not None
         assert d.small_reduce_scatter(a, mt.Sum, "ring") is None  # asked for: general path
         assert_equal_all_ranks(comm, comm.reduce_scatter(a, algorithm="ring"), want, "ring")
-        env.setenv("MPITRAIN_CHECK", "0")
+        saved = configure(check=False)
         unchecked = fast(comm, a)
         assert unchecked is not plan and unchecked.sig is None
         assert_equal_all_ranks(comm, comm.reduce_scatter(a), want, "unchecked")
-        env.setenv("MPITRAIN_SEGMENT_BYTES", "16")  # the array does not fit a 16-byte slot
+        configure(segment_bytes=16)  # the array does not fit a 16-byte slot
         assert d.small_reduce_scatter(a, mt.Sum) is None
         assert_equal_all_ranks(comm, comm.reduce_scatter(a), want, "segmented")
-        env.undo()
+        configure(saved)
         again = fast(comm, a)
         assert again is not plan and again.sig == plan.sig  # planned again, same checks
         big = np.ones((SLOT_BYTES // 4 + n, 1), np.float32)  # over a slot

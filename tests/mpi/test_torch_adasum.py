@@ -19,7 +19,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 4e-6, "float16": 8e-3, "bfloat16": 6e-
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> None:
+def _init(comm: Any, torch_device: str) -> None:
     hvd.init()
     if hvd.size() & (hvd.size() - 1):
         pytest.skip("Adasum runs on power-of-two rank counts")

@@ -17,7 +17,7 @@ from mpitrain.torch.tensors import as_buffer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> None:
+def _init(comm: Any, torch_device: str) -> None:
     hvd.init()
 
 
@@ -93,6 +93,7 @@ def test_allreduce_errors() -> None:
     check(torch.equal(hvd.allreduce(x, op=hvd.Sum), total()), "usable after errors")
 
 
+@pytest.mark.host_only("checks the numpy view of CPU tensors")
 @pytest.mark.mpi(min_size=2)
 def test_allreduce_in_place_lands_in_the_tensor() -> None:
     for dtype in (torch.float32, torch.bfloat16):

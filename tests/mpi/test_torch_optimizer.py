@@ -18,7 +18,7 @@ STEPS = 3
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> None:
+def _init(comm: Any, torch_device: str) -> None:
     hvd.init()
     torch.manual_seed(0)
 

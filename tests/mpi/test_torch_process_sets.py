@@ -15,7 +15,7 @@ import mpitrain.torch as hvd  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> Iterator[None]:
+def _init(comm: Any, torch_device: str) -> Iterator[None]:
     hvd.init()
     yield
     if hvd.is_initialized():

@@ -16,7 +16,7 @@ import mpitrain.torch as hvd  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> None:
+def _init(comm: Any, torch_device: str) -> None:
     hvd.init()
 
 

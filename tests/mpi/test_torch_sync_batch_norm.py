@@ -17,7 +17,7 @@ CHANNELS = 3
 
 
 @pytest.fixture(autouse=True)
-def _init(comm: Any) -> None:
+def _init(comm: Any, torch_device: str) -> None:
     hvd.init()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Any, Callable
 
 import pytest
 from helpers import assert_all_ranks
@@ -16,7 +17,8 @@ from mpitrain.dispatch import selection
 
 @pytest.mark.mpi(min_size=1)
 def test_tune_writes_rules_that_select_the_measured_winner(comm: mt.Communicator,
-                                                            env: pytest.MonkeyPatch) -> None:
+                                                            configure: Callable[..., Any]
+                                                            ) -> None:
     folder = comm.broadcast_object(tempfile.mkdtemp() if comm.rank == 0 else None)
     path = os.path.join(folder, "tuning.json")
     argv = ["-o", path, "--collectives", "allreduce,allgather", "-b", "4", "-e", "64K",
@@ -26,7 +28,8 @@ def test_tune_writes_rules_that_select_the_measured_winner(comm: mt.Communicator
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     rules = selection.load_rules(path)
-    env.setenv("MPITRAIN_TUNING_FILE", path)
+    configure(tuning_file=path)
+    table = comm.dispatcher.table
     problems = []
     for collective in ("allreduce", "allgather"):
         times = doc["meta"]["seconds_per_call"][collective]
@@ -34,7 +37,7 @@ def test_tune_writes_rules_that_select_the_measured_winner(comm: mt.Communicator
         assert set(times["4"]) == set(available)
         for size, by_algorithm in times.items():
             winner = min(by_algorithm, key=by_algorithm.__getitem__)
-            chosen = selection.select(collective, int(size), comm.size, "numpy", available)
+            chosen = table.select(collective, int(size), comm.size, "numpy", available)
             if chosen != winner:
                 problems.append(f"{collective} {size} B: chose {chosen}, measured {winner}")
     assert all(r.min_ranks == r.max_ranks == comm.size for r in rules)

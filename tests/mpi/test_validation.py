@@ -106,18 +106,21 @@ def test_collectives_without_shared_memory(vcomm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_check_switch(comm: mt.Communicator, env: pytest.MonkeyPatch) -> None:
+def test_check_switch(comm: mt.Communicator, env: pytest.MonkeyPatch,
+                      configure: Callable[..., Any]) -> None:
     """MPITRAIN_CHECK=0 (or check=False) skips the exchange of calls that need none."""
     def refuse(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("validated although checking is off")
 
     x = np.ones(100_000, np.float32)
-    env.setenv("MPITRAIN_CHECK", "0")
+    saved = configure(check=False)
     env.setattr(comm.dispatcher.validator, "exchange", refuse)
     for algorithm in ("ring", "mpi", "rabenseifner"):
         assert_equal_all_ranks(comm, comm.allreduce(x, algorithm=algorithm),
                                x * comm.size, f"unchecked {algorithm}")
-    env.setenv("MPITRAIN_CHECK", "1")
+    env.undo()
+    configure(saved)
+    env.setattr(comm.dispatcher.validator, "exchange", refuse)
     with pytest.raises(AssertionError, match="validated although"):
         comm.allreduce(x, algorithm="ring")
     env.undo()

@@ -108,21 +108,19 @@ def test_mismatch_message_names_ranks_and_values() -> None:
     assert "rank 1 called barrier, rank 0 called allreduce" in text and "float" not in text
 
 
-def test_selection_by_dtype_and_availability(tmp_path: pytest.TempPathFactory,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selection_by_dtype_and_availability(tmp_path: pytest.TempPathFactory) -> None:
     from mpitrain.dispatch import selection
 
-    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
     both = ("ring", "mpi", "shm")
-    assert selection.select("allreduce", 4, 2, "numpy", both) == "shm"
-    assert selection.select("allreduce", 4, 2, "numpy", ("ring", "mpi")) == "mpi"
+    assert selection.BUILT_IN.select("allreduce", 4, 2, "numpy", both) == "shm"
+    assert selection.BUILT_IN.select("allreduce", 4, 2, "numpy", ("ring", "mpi")) == "mpi"
     path = tmp_path / "tune.json"  # type: ignore[operator]
     selection.dump_rules([selection.Rule("allreduce", "ring", dtypes="float16,bfloat16")],
                          str(path))
-    monkeypatch.setenv("MPITRAIN_TUNING_FILE", str(path))
-    assert selection.select("allreduce", 4, 2, "numpy", both, "float16") == "ring"
-    assert selection.select("allreduce", 4, 2, "numpy", both, "bfloat16") == "ring"
-    assert selection.select("allreduce", 4, 2, "numpy", both, "float32") == "shm"
+    tuned = selection.Table.load(str(path))
+    assert tuned.select("allreduce", 4, 2, "numpy", both, "float16") == "ring"
+    assert tuned.select("allreduce", 4, 2, "numpy", both, "bfloat16") == "ring"
+    assert tuned.select("allreduce", 4, 2, "numpy", both, "float32") == "shm"
 
 
 def test_default_rules_name_registered_algorithms_and_cover_every_size() -> None:
@@ -136,5 +134,6 @@ def test_default_rules_name_registered_algorithms_and_cover_every_size() -> None
         for nbytes in (0, 4, 1 << 16, 1 << 20, 1 << 30):
             for ranks in (2, 3, 64):
                 for available in (names, without_shm):
-                    chosen = selection.select(collective, nbytes, ranks, "numpy", available)
+                    chosen = selection.BUILT_IN.select(collective, nbytes, ranks, "numpy",
+                                                       available)
                     assert chosen in available

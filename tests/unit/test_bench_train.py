@@ -134,3 +134,31 @@ def test_the_report_bounds_ddp_over_impl_by_the_one_rank_step() -> None:
     assert report.scaling_bounds(doc(2)) == {"m": 1.5}
     assert report.scaling_bounds(doc(4)) == {"m": 0.75}
     assert report.scaling_bounds({**doc(2), "results": doc(2)["results"][1:]}) == {}
+
+
+def test_device_and_reference_options() -> None:
+    cpu = train.parse_args(["--small"], quiet=True)
+    assert (cpu.device, cpu.against, cpu.impls) == ("cpu", "ddp", train.IMPLS)
+    cuda = train.parse_args(["--device", "cuda"], quiet=True)
+    assert (cuda.against, cuda.impls) == ("reference", ("1 rank", "mpitrain"))
+    assert cuda.tolerance == train.GPU_TOLERANCE["none"] > cpu.tolerance
+    with pytest.raises(SystemExit):
+        train.parse_args(["--device", "cuda", "--against", "ddp"], quiet=True)
+
+
+def test_reference_averages_every_ranks_gradient() -> None:
+    """One step of the reference equals SGD on the mean of the ranks' gradients."""
+    torch.manual_seed(3)
+    model = train.build_model("mlp", True)
+    opts = train.parse_args(["--small", "--momentum", "0"], quiet=True)
+    batches = {(r, 0): train.make_batch("mlp", True, 4, 1, r, 0) for r in range(3)}
+    grads = []
+    for r in range(3):
+        clone = train.copy.deepcopy(model)
+        torch.nn.functional.cross_entropy(clone(batches[r, 0][0]), batches[r, 0][1]).backward()
+        grads.append([p.grad for p in clone.parameters()])
+    want = [p.detach() - opts.lr * sum(g[i] for g in grads) / 3
+            for i, p in enumerate(model.parameters())]
+    got = train.reference_parameters(model, opts, 1, lambda r, s: batches[r, s], 3)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6)

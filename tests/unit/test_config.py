@@ -3,6 +3,7 @@ warned with the closest known one, and the rank-prefixed log level."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -82,23 +83,45 @@ def test_init_warns_once_about_an_unknown_name() -> None:
     assert "MPITRAIN_FUSION_THRESHOLD='lots' is not valid" in bad.stderr
 
 
-def test_plan_texts_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cached small-call plan is kept while plan_texts() is unchanged: every setting it
-    covers must change it, and a setting it does not cover must not."""
-    for name in ("MPITRAIN_ALGORITHM", "MPITRAIN_TUNING_FILE", "MPITRAIN_CHECK",
-                 "MPITRAIN_SEGMENT_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    before = config.plan_texts()
-    assert config.plan_texts() == before
-    for setting, value in ((config.ALGORITHM, "ring"), (config.TUNING_FILE, "t.json"),
-                           (config.CHECK, "0"), (config.SEGMENT_BYTES, "4K")):
-        assert setting in config.PLAN_SETTINGS
-        monkeypatch.setenv(setting.name, value)
-        assert config.plan_texts() != before, setting.name
-        monkeypatch.delenv(setting.name)
-        assert config.plan_texts() == before
-    monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "5")
-    assert config.plan_texts() == before
+def test_settings_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Settings snapshot reads every communicator setting from its variable once, takes
+    overrides, parses texts in changed(), and stays what it was when the environment
+    changes afterwards."""
+    assert {f.name for f in dataclasses.fields(config.Settings)} == set(config.SETTING_OF)
+    assert set(config.AGREED) | set(config.AT_CREATION) <= set(config.SETTING_OF)
+    values = {"algorithm": ("RING", "ring"), "segment_bytes": ("4K", 4096),
+              "tuning_file": ("t.json", "t.json"), "check": ("0", False),
+              "shm": ("off", False), "single_copy": ("0", False),
+              "fusion_threshold": ("1M", 1 << 20), "cycle_time_ms": ("2.5", 2.5),
+              "inter_segment_bytes": ("0", 0), "cross_ranks": ("0", 0),
+              "cuda_aware": ("1", True), "staging_slots": ("7", 7),
+              "stall_warning_s": ("off", 0.0), "stall_timeout_s": ("3", 3.0),
+              "stall_action": ("abort", "abort"), "elastic": ("1", True)}
+    assert set(values) == set(config.SETTING_OF)
+    for name in values:
+        monkeypatch.delenv(config.SETTING_OF[name].name, raising=False)
+    default = config.Settings.from_environment()
+    assert default == config.Settings()
+    for name, (text, _) in values.items():
+        monkeypatch.setenv(config.SETTING_OF[name].name, text)
+    snapshot = config.Settings.from_environment(check=True)
+    for name, (_, value) in values.items():
+        want = True if name == "check" else value  # the override wins
+        assert getattr(snapshot, name) == want, name
+    monkeypatch.setenv("MPITRAIN_SEGMENT_BYTES", "8K")
+    assert snapshot.segment_bytes == 4096, "a snapshot never rereads the environment"
+    changed = default.changed(segment_bytes="64K", algorithm="Ring", check="no")
+    assert (changed.segment_bytes, changed.algorithm, changed.check) == (65536, "ring", False)
+    assert changed.agreed() == tuple((n, getattr(changed, n)) for n in config.AGREED)
+    with pytest.raises(mt.ArgumentError, match="MPITRAIN_SEGMENT_BYTES='lots' is not valid"):
+        default.changed(segment_bytes="lots")
+    with pytest.raises(mt.ArgumentError, match="unknown settings"):
+        default.changed(segments=4)
+    with pytest.raises(mt.ArgumentError, match="MPITRAIN_STAGING_SLOTS to 1 or more"):
+        default.changed(staging_slots=0)
+    monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "soon")
+    with pytest.raises(mt.ArgumentError, match="MPITRAIN_CYCLE_TIME_MS='soon'"):
+        config.Settings.from_environment()
 
 
 def test_a_setting_sees_each_new_value(monkeypatch: pytest.MonkeyPatch) -> None:

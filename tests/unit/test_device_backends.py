@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
-from mpitrain import backends
+from mpitrain import backends, config
 from mpitrain.backends import NUMPY, cuda_aware, is_device_array
 from mpitrain.dispatch import policy
 from mpitrain.dtypes import BFLOAT16
@@ -62,19 +62,19 @@ def test_ompi_info_output_is_parsed_for_open_mpi_4_and_5() -> None:
     assert cuda_aware.parse_ompi_info("mca:btl:tcp:param:x:value:true\n") is None
 
 
-def test_environment_overrides_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setting_overrides_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPITRAIN_CUDA_AWARE", "1")
-    assert cuda_aware.mpi_accepts_device_pointers()
-    assert policy.device_policy() is policy.CUDA_AWARE
-    assert cuda_aware.decision().how == "MPITRAIN_CUDA_AWARE=1"
-    monkeypatch.setenv("MPITRAIN_CUDA_AWARE", "0")
-    assert policy.device_policy() is policy.STAGED
+    forced = config.Settings.from_environment()
+    assert cuda_aware.mpi_accepts_device_pointers(forced.cuda_aware)
+    assert policy.device_policy(forced) is policy.CUDA_AWARE
+    assert cuda_aware.decision(forced.cuda_aware).how == "MPITRAIN_CUDA_AWARE=1"
+    staged = policy.device_policy(config.Settings(cuda_aware=False, staging_slots=3))
+    assert isinstance(staged, policy.StagedPolicy) and staged.slots == 3
     monkeypatch.setenv("MPITRAIN_CUDA_AWARE", "maybe")
     with pytest.raises(ValueError, match="MPITRAIN_CUDA_AWARE='maybe'"):
-        cuda_aware.decision()
-    monkeypatch.delenv("MPITRAIN_CUDA_AWARE")
-    assert cuda_aware.decision() == cuda_aware.detected()
-    assert policy.policy_for(NUMPY) is policy.HOST
+        config.Settings.from_environment()
+    assert cuda_aware.decision(None) == cuda_aware.detected()
+    assert policy.HOST.name == "host"
 
 
 # -- recognising device arrays without importing CuPy -----------------------------------

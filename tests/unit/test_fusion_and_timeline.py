@@ -13,6 +13,7 @@ from benchmarks import harness
 from mpitrain import config
 from mpitrain.algorithms.pieces import Pieces, read_range, write_range
 from mpitrain.backends import NUMPY
+from mpitrain.dispatch import Call
 from mpitrain.engine.fusion import BucketRunner, fusion_key, plan_buckets
 from mpitrain.engine.request import Entry, Request, Spec, Waiters
 from mpitrain.timeline import Timeline
@@ -23,8 +24,8 @@ def request(name: str, *arrays: Any, kind: str = "allreduce", op: mt.ReduceOp = 
     dtype = arrays[0].dtype
     key = fusion_key("numpy", dtype, op.value, 1.0, 1.0, algorithm) \
         if kind == "allreduce" and not grouped else ""
-    spec = Spec(kind, "sig", NUMPY, dtype, None if grouped else arrays[0].shape, op=op,
-                algorithm=algorithm, grouped=grouped, fusion=key)
+    call = Call(kind, NUMPY, dtype, arrays[0].shape, op=op, algorithm=algorithm)
+    spec = Spec(kind, "sig", call, grouped=grouped, fusion=key)
     if grouped:
         return Request(name, spec, None, None, Waiters(),
                        entries=[Entry(a, NUMPY, a.dtype) for a in arrays])
@@ -65,8 +66,9 @@ def test_groups_stay_together_whatever_their_size() -> None:
 def shared_spec_requests(n: int, count: int = 256, inplace: bool = False) -> list[Request]:
     """``n`` submissions of one spec, as the engine makes them for equal arrays."""
     dtype = np.dtype(np.float32)
-    spec = Spec("allreduce", "sig", NUMPY, dtype, (count,), fusion=fusion_key(
-        "numpy", dtype, "sum", 1.0, 1.0, None), inplace=inplace)
+    call = Call("allreduce", NUMPY, dtype, (count,), mt.Sum, inplace=inplace)
+    spec = Spec("allreduce", "sig", call, fusion=fusion_key("numpy", dtype, "sum", 1.0, 1.0,
+                                                             None))
     return [Request(f"t{i}", spec, np.full(count, i, dtype), None, Waiters())
             for i in range(n)]
 
@@ -101,7 +103,8 @@ def test_fused_bucket_hands_each_request_its_own_piece(inplace: bool, pieces: bo
         def takes_pieces(self, *args: Any) -> bool:
             return pieces
 
-        def allreduce_flat(self, be: Any, src: Any, out: Any, *args: Any) -> str:
+        def allreduce_flat(self, be: Any, src: Any, out: Any, *args: Any, validate: bool) -> str:
+            assert not validate, "negotiation compared the bucket: no second validation"
             if not pieces:
                 assert src is out  # the fusion buffer is reduced in place
                 out *= 2
@@ -150,13 +153,14 @@ def test_timeline_file_is_valid_json_after_every_flush(tmp_path: Any) -> None:
 
 
 def test_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert config.FUSION_THRESHOLD.get() == 64 << 20
+    assert config.Settings.from_environment().fusion_threshold == 64 << 20
     monkeypatch.setenv("MPITRAIN_FUSION_THRESHOLD", "1M")
     monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "0.25")
-    assert (config.FUSION_THRESHOLD.get(), config.CYCLE_TIME_MS.get()) == (1 << 20, 0.25)
+    settings = config.Settings.from_environment()
+    assert (settings.fusion_threshold, settings.cycle_time_ms) == (1 << 20, 0.25)
     monkeypatch.setenv("MPITRAIN_CYCLE_TIME_MS", "soon")
     with pytest.raises(ValueError, match="MPITRAIN_CYCLE_TIME_MS='soon'"):
-        config.CYCLE_TIME_MS.get()
+        config.Settings.from_environment()
 
 
 def test_fusion_benchmark_verifies_and_writes_json(tmp_path: Any,

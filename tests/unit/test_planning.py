@@ -112,37 +112,37 @@ def test_config_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "MPITRAIN_ALGORITHM" in config.describe()
 
 
-def test_selection_table(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+def test_selection_table(tmp_path: pytest.TempPathFactory) -> None:
     avail = ("ring", "mpi")
-    assert selection.select("allreduce", 4, 2, "numpy", avail) == "mpi"
-    assert selection.select("allreduce", 64 << 20, 2, "numpy", avail) == "ring"
-    assert selection.select("allreduce", 4, 2, "numpy", ("ring",)) == "ring"
+    built_in = selection.Table.load("")
+    assert built_in.rules == selection.DEFAULT_RULES
+    assert built_in.select("allreduce", 4, 2, "numpy", avail) == "mpi"
+    assert built_in.select("allreduce", 64 << 20, 2, "numpy", avail) == "ring"
+    assert built_in.select("allreduce", 4, 2, "numpy", ("ring",)) == "ring"
     path = tmp_path / "tune.json"  # type: ignore[operator]
     selection.dump_rules([selection.Rule("allreduce", "ring", max_bytes=1 << 10)], str(path))
-    monkeypatch.setenv("MPITRAIN_TUNING_FILE", str(path))
-    assert selection.select("allreduce", 4, 2, "numpy", avail) == "ring"
-    assert selection.select("allreduce", 4096, 2, "numpy", avail) == "mpi"
+    tuned = selection.Table.load(str(path))
+    assert tuned.select("allreduce", 4, 2, "numpy", avail) == "ring"
+    assert tuned.select("allreduce", 4096, 2, "numpy", avail) == "mpi"
     bad = tmp_path / "bad.json"  # type: ignore[operator]
     bad.write_text(json.dumps({"rules": [{"nope": 1}]}))
-    monkeypatch.setenv("MPITRAIN_TUNING_FILE", str(bad))
     with pytest.raises(ValueError, match="regenerate it with mpitrain-tune"):
-        selection.select("allreduce", 4, 2, "numpy", avail)
+        selection.Table.load(str(bad))
 
 
-def test_one_node_table(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_node_table() -> None:
     """On one node: shm, except native Allgather from 16 MiB gathered; and which
     algorithms the table may ever pick (the allgather fast path asks)."""
-    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+    table = selection.BUILT_IN
     every = ("ring", "mpi", "shm", "single_copy")
     mib = 1 << 20
-    assert selection.select("allreduce", 256 * mib, 2, "numpy", every) == "shm"
-    assert selection.select("reduce_scatter", 256 * mib, 2, "numpy", every) == "shm"
-    assert selection.select("allgather", 16 * mib - 4, 2, "numpy", every) == "shm"
-    assert selection.select("allgather", 16 * mib, 2, "numpy", every) == "mpi"
-    assert selection.may_select("allgather", "shm")
-    assert not selection.may_select("allgather", "single_copy")
-    assert not selection.may_select("allgather", "bruck")
+    assert table.select("allreduce", 256 * mib, 2, "numpy", every) == "shm"
+    assert table.select("reduce_scatter", 256 * mib, 2, "numpy", every) == "shm"
+    assert table.select("allgather", 16 * mib - 4, 2, "numpy", every) == "shm"
+    assert table.select("allgather", 16 * mib, 2, "numpy", every) == "mpi"
+    assert table.may_select("allgather", "shm")
+    assert not table.may_select("allgather", "single_copy")
+    assert not table.may_select("allgather", "bruck")
 
 
 def test_error_hierarchy() -> None:
@@ -162,14 +162,14 @@ def test_not_initialized_message(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not mt.is_initialized()
 
 
-def test_selection_by_node_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MPITRAIN_TUNING_FILE", raising=False)
+def test_selection_by_node_count() -> None:
+    table = selection.BUILT_IN
     avail = ("ring", "mpi", "hierarchical")
     for nbytes in (4, 1 << 20, 64 << 20):  # one node: the single-node table, unchanged
-        assert selection.select("allreduce", nbytes, 4, "numpy", avail, nodes=1) == \
-            selection.select("allreduce", nbytes, 4, "numpy", ("ring", "mpi"))
-    assert selection.select("allreduce", 64 << 20, 4, "numpy", avail, nodes=2) == "hierarchical"
-    assert selection.select("allreduce", 4, 4, "numpy", avail, nodes=2) == "mpi"
+        assert table.select("allreduce", nbytes, 4, "numpy", avail, nodes=1) == \
+            table.select("allreduce", nbytes, 4, "numpy", ("ring", "mpi"))
+    assert table.select("allreduce", 64 << 20, 4, "numpy", avail, nodes=2) == "hierarchical"
+    assert table.select("allreduce", 4, 4, "numpy", avail, nodes=2) == "mpi"
     rule = selection.Rule("allreduce", "hierarchical", min_nodes=3)
     assert not rule.matches("allreduce", 1, 6, "numpy", nodes=2)
     assert rule.matches("allreduce", 1, 6, "numpy", nodes=3)
@@ -179,13 +179,17 @@ def test_inter_node_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     from mpitrain.algorithms.hierarchical import inter_segment_bytes
 
     monkeypatch.delenv("MPITRAIN_INTER_SEGMENT_BYTES", raising=False)
-    assert inter_segment_bytes(0) == 60 << 10           # whole chunks: capped for TCP eager
-    assert inter_segment_bytes(1 << 20) == 60 << 10
-    assert inter_segment_bytes(24) == 24                # a smaller general setting wins
+    limit = config.Settings.from_environment().inter_segment_bytes
+    assert limit == 60 << 10
+    assert inter_segment_bytes(0, limit) == 60 << 10     # whole chunks: capped for TCP eager
+    assert inter_segment_bytes(1 << 20, limit) == 60 << 10
+    assert inter_segment_bytes(24, limit) == 24         # a smaller general setting wins
     monkeypatch.setenv("MPITRAIN_INTER_SEGMENT_BYTES", "0")
-    assert inter_segment_bytes(1 << 20) == 1 << 20
+    limit = config.Settings.from_environment().inter_segment_bytes
+    assert inter_segment_bytes(1 << 20, limit) == 1 << 20
     monkeypatch.setenv("MPITRAIN_INTER_SEGMENT_BYTES", "1M")
-    assert inter_segment_bytes(0) == 1 << 20
+    limit = config.Settings.from_environment().inter_segment_bytes
+    assert inter_segment_bytes(0, limit) == 1 << 20
 
 
 def test_allreduce_piece_count() -> None:

@@ -153,25 +153,62 @@ def test_sends_reach_mpi_in_call_order(self_transport: Transport, slots: int) ->
 
 
 @pytest.mark.parametrize("slots", [1, 3])
-def test_forward_sends_from_the_pinned_slot(self_transport: Transport, slots: int) -> None:
+def test_forward_never_holds_the_receive_slot(self_transport: Transport, slots: int) -> None:
+    """A forward leaves the receive's slot to the receive alone (a slot held until a
+    rendezvous send completes deadlocks the ring at 3+ ranks), and delivers the bytes."""
+    for seed in SEEDS:
+        be = FakeBackend(FakeDevice(seed=seed))
+        messages = payloads(seed, 6)
+        staging = StagingTransport(self_transport, be.fake, 40 * 4, slots)
+        with be.fake.default:
+            outs = [be.empty(m.size, m.dtype) for m in messages]
+            finals = [be.empty(m.size, m.dtype) for m in messages]
+            sends = []
+            for data, out in zip(messages, outs):
+                src = be.empty(data.size, data.dtype)
+                be.copy_into(src, data)
+                recv = staging.irecv(be.as_bytes(out), 0, TAG)
+                sends.append(staging.isend(be.as_bytes(src), 0, TAG))
+                recv.Wait()
+                users = recv.slot.users if recv.slot is not None else 0
+                sends.append(staging.forward(recv, be.as_bytes(out), 0, TAG + 1))
+                assert recv.slot is None or recv.slot.users == users <= 1, f"seed {seed}"
+            for req in [staging.irecv(be.as_bytes(f), 0, TAG + 1) for f in finals]:
+                req.Wait()
+            staging.waitall(sends)
+            be.fake.default.synchronize()
+        for want, have in zip(messages, finals):
+            assert np.array_equal(np.asarray(have).view(np.ndarray), want), f"seed {seed}"
+
+
+def test_forward_copies_on_the_host_when_a_send_slot_is_free(self_transport: Transport) -> None:
+    """With a send slot free and no send queued, the received bytes go to it host to
+    host: nothing is copied back from the device."""
     for seed in SEEDS:
         device = FakeDevice(seed=seed)
         be = FakeBackend(device)
-        copies: list[int] = []
+        from_device: list[int] = []
 
         def counted(dst: Any, src: Any, stream: Any, real: Any = device.copy_to_host,
-                    log: list[int] = copies) -> None:
+                    log: list[int] = from_device) -> None:
             log.append(src.nbytes)
             real(dst, src, stream)
 
         device.copy_to_host = counted  # type: ignore[method-assign]
-        messages = payloads(seed, 6)
-        staging = StagingTransport(self_transport, device, 40 * 4, slots)
+        staging = StagingTransport(self_transport, device, 64, 2)
         with device.default:
-            got = exchange(staging, be, messages, forward=True)
-        for want, have in zip(messages, got):
-            assert np.array_equal(have, want), f"seed {seed}"
-        assert len(copies) == len(messages), "forwarded messages must not be copied back"
+            data = to_device(np.arange(16, dtype=np.float32))
+            out, final = be.empty(16, np.float32), be.empty(16, np.float32)
+            again = staging.irecv(be.as_bytes(final), 0, TAG + 1)
+            recv = staging.irecv(be.as_bytes(out), 0, TAG)
+            staging.isend(be.as_bytes(data), 0, TAG).Wait()
+            recv.Wait()
+            forwarded = staging.forward(recv, be.as_bytes(out), 0, TAG + 1)
+            again.Wait()
+            forwarded.Wait()
+            device.default.synchronize()
+        assert from_device == [64], f"seed {seed}: {from_device}"
+        assert np.array_equal(np.asarray(final).view(np.ndarray), np.arange(16)), f"seed {seed}"
 
 
 def test_receive_waits_for_earlier_readers_of_its_buffer(self_transport: Transport) -> None:
