@@ -382,9 +382,11 @@ class Communicator:
                                              algorithm).wait()
 
     def allgather_async(self, x: Any, name: str | None = None,
-                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
-        """Start :meth:`allgather`; ``wait()`` returns the result."""
-        return self.engine().allgather(x, name, algorithm, stream)
+                        algorithm: str | None = None, *, stream: Any = None,
+                        out: Any = None) -> Handle:
+        """Start :meth:`allgather`; ``wait()`` returns the result (``out``, if given: as
+        for :meth:`allgather`; its row count must be the same on every rank)."""
+        return self.engine().allgather(x, name, algorithm, stream, out)
 
     def broadcast_async(self, x: Any, root: int = 0, name: str | None = None,
                         algorithm: str | None = None, *, stream: Any = None) -> Handle:

@@ -19,8 +19,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ALLOWED_ATTRIBUTES = {"_exit"}
-"""Private-looking attributes that are public API elsewhere (``os._exit``)."""
+ALLOWED_ATTRIBUTES = {"_exit", "_rendezvous_handlers"}
+"""Private-looking attributes that are public API elsewhere (``os._exit``), or the one
+private name of another library that a module needs, with why: torch has no public way
+to extend its ``env://`` rendezvous, which ``mpitrain.torch.distributed`` makes fall
+back on MPI when ``MASTER_ADDR`` is unset (``torch.distributed.rendezvous``'s handler
+table; without it, ``init_method="mpitrain://"`` is needed)."""
 
 
 @dataclass

@@ -183,16 +183,26 @@ class Checks:
 
     def out(self, be: ArrayBackend, out: Array, shape: Sequence[int | None],
             dt: np.dtype[Any], what: str) -> Array:
-        """``out`` if it is a writeable C-contiguous ``dt`` array of ``shape``."""
-        if not be.owns(out) or tuple(out.shape) != tuple(shape) or out.dtype != dt:
+        """``out`` as ``be``'s array (one that writes through to ``out``: a torch CUDA
+        tensor is seen through a CuPy view), if it is a writeable C-contiguous ``dt``
+        array of ``shape``."""
+        arr = be.asarray(out) if be.owns(out) else None
+        if arr is None or tuple(arr.shape) != tuple(shape) or arr.dtype != dt \
+                or not (arr is out or be.writes_through(arr, out)):
             raise ArgumentError(
                 f"rank {self.rank}: {what} out= must be a {dt}{list(shape)} array, got "
                 f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', []))}")
-        if not be.is_contiguous(out):
+        if not be.is_contiguous(arr):
             raise ArgumentError(f"rank {self.rank}: {what} out= must be C-contiguous; pass "
                                 "np.empty_like(x) or leave out= unset")
-        self.writeable(be, out, what)
-        return out
+        self.writeable(be, arr, what)
+        return arr
+
+    @staticmethod
+    def rows(out: Array) -> int:
+        """The rows (axis 0) of an allgather's ``out=`` (-1 for a 0-d one)."""
+        shape = tuple(getattr(out, "shape", ()))
+        return int(shape[0]) if shape else -1
 
     def writeable(self, be: ArrayBackend, arr: Array, what: str) -> None:
         """Raise if ``what`` would write into a read-only ``arr``."""

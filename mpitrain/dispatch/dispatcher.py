@@ -405,7 +405,7 @@ class Dispatcher:
         src = be.ascontiguous(arr)
         self.allreduce_flat(be, be.flat(src), be.flat(result), dt, op, call.algorithm,
                             call.prescale, call.postscale, name, arr.shape, validate)
-        return result
+        return result if out is None else out
 
     def allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                        op: ReduceOp, algorithm: str | None, prescale: float,
@@ -535,15 +535,16 @@ class Dispatcher:
         block = be.flat(be.ascontiguous(arr))
         trailing = tuple(arr.shape[1:])
         total = -1  # the rows of out=, which every rank must agree on
+        target = None  # out= as the backend's array
         if out is not None:
-            total = int(out.shape[0]) if getattr(out, "ndim", 0) else -1
-            self.checks.out(be, out, (total, *trailing), dt, "allgather")
+            total = self.checks.rows(out)
+            target = self.checks.out(be, out, (total, *trailing), dt, "allgather")
         if self.size == 1:
             self.algorithm("allgather", algorithm, block.size * dt.itemsize, be, dt)
             if out is None:
                 return be.ascontiguous(arr).copy()
             self.checks.gathered_rows(total, (arr.shape[0],), trailing)
-            be.copy_into(out, arr)
+            be.copy_into(target, arr)
             return out
         requested = (algorithm or self.settings.algorithm).lower()
         self.transport.begin("allgather")
@@ -566,7 +567,8 @@ class Dispatcher:
                 requested == "single_copy"
                 or self.table.may_select("allgather", "single_copy")) else 0
         self.validator.exchange(sig, rows=arr.shape[0], payload=payload, address=address)
-        return self._gathered(be, block, trailing, dt, algorithm, out, total)
+        result = self._gathered(be, block, trailing, dt, algorithm, target, total)
+        return result if out is None else out
 
     def _gathered(self, be: ArrayBackend, block: Array, trailing: tuple[int, ...],
                   dt: np.dtype[Any], algorithm: str | None, out: Array | None,

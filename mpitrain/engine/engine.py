@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -86,6 +87,7 @@ EXIT_TIMEOUT_S = 30.0
 """How long interpreter exit waits for the other ranks to stop an engine not stopped
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
 
+log = logging.getLogger("mpitrain")
 _LIVE: set[Engine] = set()  # started and not stopped (each is kept alive by its thread)
 _lanes = iter(range(1, 1 << 30))
 
@@ -143,6 +145,7 @@ class Engine:
         self._idle = False  # the progress thread is (about to be) asleep: wake it
         self._cycling = threading.Lock()  # held by the thread running a cycle
         self._incoming: list[Request] = []
+        self._due: list[tuple[Callable[[Handle], None], Handle]] = []  # callbacks to call
         self._batches = 0  # open batch() blocks: the progress thread leaves _incoming alone
         self._in_flight: set[str] = set()
         self._counters: defaultdict[str, Iterator[int]] = defaultdict(count)
@@ -219,17 +222,23 @@ class Engine:
         ready = self._ready(entries[0].backend, entries[0].array, stream) if entries else None
         return self._submit("grouped_allreduce", name, spec, None, None, entries, ready)
 
-    def allgather(self, x: Any, name: Any, algorithm: Any, stream: Any = None) -> Handle:
-        """Queue an allgather of ``x`` (axis 0 may differ between ranks)."""
+    def allgather(self, x: Any, name: Any, algorithm: Any, stream: Any = None,
+                  out: Any = None) -> Handle:
+        """Queue an allgather of ``x`` (axis 0 may differ between ranks), into ``out``
+        if given (its rows are part of what the ranks agree on)."""
         try:
             be, arr = self._checks.array(x, "allgather_async", False)
-            key = ("allgather", be, arr.dtype, (None, *arr.shape[1:]), algorithm)
+            rows = None
+            if out is not None:  # checked here; the run writes into it through its own view
+                rows = self._checks.rows(out)
+                self._checks.out(be, out, (rows, *arr.shape[1:]), arr.dtype, "allgather_async")
+            key = ("allgather", be, arr.dtype, (None, *arr.shape[1:]), algorithm, rows)
             spec = self._known_spec(key) or self._new_spec(
-                key, lambda: self._spec(self._checks.allgather(be, arr, algorithm)))
+                key, lambda: self._spec(self._checks.allgather(be, arr, algorithm), rows))
         except Exception as exc:
             self._refused("allgather", name, exc)
             raise
-        return self._submit("allgather", name, spec, arr, None, None,
+        return self._submit("allgather", name, spec, arr, out, None,
                             self._ready(be, arr, stream))
 
     def broadcast(self, x: Any, root: Any, name: Any, algorithm: Any,
@@ -269,11 +278,14 @@ class Engine:
         one) of its device; ``None`` for host arrays."""
         return be.record(arr, stream) if be.is_device else None
 
-    def _spec(self, call: Call) -> Spec:
-        """The spec of a checked call of one array: its agreed text and fusion key."""
+    def _spec(self, call: Call, out_rows: int | None = None) -> Spec:
+        """The spec of a checked call of one array: its agreed text (with the rows of an
+        allgather's ``out=``) and fusion key."""
         op = call.op.value if call.op is not None else None
         described = describe((call.collective, op, call.dtype, call.shape, call.prescale,
                               call.postscale, call.algorithm, call.root, call.backend.name))
+        if out_rows is not None:
+            described += f" into {out_rows} rows"
         fusion = fusion_key(call.backend.name, call.dtype, op, call.prescale, call.postscale,
                             call.algorithm) if call.collective == "allreduce" else ""
         return Spec(call.collective, described, call, fusion=fusion)
@@ -473,8 +485,11 @@ class Engine:
                     # never an empty cycle: every rank would have to match it
                     if not self._finished:
                         progressed = self._step(False) if self._has_work() else True
+                if self._due:
+                    self._call_back()
         except BaseException as exc:  # a bug or an MPI failure: fail everything, never hang
             self._abort(exc)
+            self._call_back()
         finally:
             tl = timeline.current()
             if tl is not None:
@@ -520,6 +535,8 @@ class Engine:
                 finally:
                     self._cycling.release()
         finally:
+            if self._due:
+                self._call_back()
             if ran:
                 with self._cond:
                     if self._has_work():
@@ -745,10 +762,27 @@ class Engine:
             self._in_flight.discard(name)
 
     def _finish(self, requests: list[Request]) -> None:
-        """Hand out the requests' results (or errors)."""
+        """Hand out the requests' results (or errors); their callbacks are called after
+        the cycle (:meth:`_call_back`)."""
         self.stats.operations += len(requests)
         complete_all(requests)
         self._waiters.notify()
+        due = self._waiters.take_callbacks(requests)
+        if due:
+            with self._lock:
+                self._due.extend(due)
+
+    def _call_back(self) -> None:
+        """Call the callbacks of the handles finished so far, outside any cycle."""
+        while self._due:
+            with self._lock:
+                due, self._due = self._due, []
+            for fn, handle in due:
+                try:
+                    fn(handle)
+                except Exception:
+                    log.exception("mpitrain: a callback of the async operation %r raised",
+                                  handle.name)
 
     def _abort(self, exc: BaseException) -> None:
         self._finished = True

@@ -143,7 +143,8 @@ class BucketRunner:
             call = dataclasses.replace(call, backend=entry.backend, dtype=entry.dtype,
                                        shape=tuple(a.shape))
         # negotiation compared every rank's submission: no validation here
-        result = d.execute(call, a, validate=False)
+        out = request.output if spec.kind == "allgather" else None  # allgather's out=
+        result = d.execute(call, a, out=out, validate=False)
         if not spec.inplace:
             entry.output = result
         if not traced:

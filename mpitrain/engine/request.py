@@ -60,6 +60,27 @@ class Waiters:
         with self._cond:
             self._cond.notify_all()
 
+    def add_callback(self, handle: Handle, fn: Callable[[Handle], None]) -> bool:
+        """Keep ``fn`` for when ``handle`` is done; False if its callbacks have been taken
+        already (it is done: call ``fn`` yourself)."""
+        with self._cond:
+            if handle._callbacks is None:
+                return False
+            handle._callbacks.append(fn)
+            return True
+
+    def take_callbacks(self, handles: list[Request]) -> list[tuple[Callable[[Handle], None],
+                                                                    Handle]]:
+        """The callbacks of finished ``handles``, each once; later ones are called at once
+        by :meth:`Handle.add_done_callback`."""
+        due: list[tuple[Callable[[Handle], None], Handle]] = []
+        with self._cond:
+            for handle in handles:
+                callbacks, handle._callbacks = handle._callbacks, None
+                if callbacks:
+                    due.extend((fn, handle) for fn in callbacks)
+        return due
+
 
 class Handle:
     """A collective in flight: ``wait()`` for its result, ``test()`` to poll it.
@@ -78,8 +99,8 @@ class Handle:
         error: why the operation failed (what ``wait()`` raises), else ``None``.
     """
 
-    __slots__ = ("_done", "_release", "_result", "_waiters", "error", "finished_at", "name",
-                 "started_at", "submitted_at")
+    __slots__ = ("_callbacks", "_done", "_release", "_result", "_waiters", "error",
+                 "finished_at", "name", "started_at", "submitted_at")
     name: str
     submitted_at: float
     started_at: float | None
@@ -88,6 +109,7 @@ class Handle:
     _release: Callable[[str], None] | None  # frees the name once the caller saw the result
     _done: bool
     _result: Any
+    _callbacks: list[Callable[[Handle], None]] | None  # None once they have been taken
     error: BaseException | None
 
     def wait(self) -> Any:
@@ -103,6 +125,14 @@ class Handle:
         if self.error is not None:
             raise self.error
         return self._result
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once the operation is done: on the thread that finished it,
+        after the engine's cycle (so ``fn`` may submit and wait), or at once, on this
+        thread, if it is done already. An exception ``fn`` raises is logged, not raised.
+        ``fn`` should be quick: the next cycle waits for it."""
+        if not self._waiters.add_callback(self, fn):
+            fn(self)
 
     def test(self) -> bool:
         """True once the operation is done (its result or error is ready); never blocks."""
@@ -216,6 +246,7 @@ class Request(Handle):
         self.finished_at = None
         self._done = False
         self._result = None
+        self._callbacks = []
         self.error = None
         # the operation's part
         self.spec, self.serial, self.entries = spec, serial, entries

@@ -14,17 +14,23 @@ of its class), Adasum runs on CPU tensors only (see docs/adasum.md), and ``join`
 synchronous case (every rank has finished its collectives). Process sets
 (``hvd.ProcessSet``, ``hvd.add_process_set``, ``process_set=``) run collectives over a
 subset of the ranks on a communicator of their own (:mod:`.process_sets`).
+
+Importing it also registers the ``torch.distributed`` backend ``"mpitrain"``
+(:mod:`.distributed`): ``dist.init_process_group("mpitrain")`` under ``mpirun`` gives DDP,
+FSDP and every ``torch.distributed`` collective mpitrain's collectives.
 """
 
 from __future__ import annotations
 
-from ..trainer.compression import Compression, Compressor
-from . import elastic
+from ..parallel.compression import Compression, Compressor
+from . import distributed, elastic
 from .checkpoint import load_checkpoint, load_latest_checkpoint, save_checkpoint
 from .mpi_ops import *  # noqa: F403  (the names of mpi_ops.__all__)
 from .mpi_ops import __all__ as _ops_names
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .sync_batch_norm import SyncBatchNorm
+
+distributed.register()
 
 __all__ = [
     *_ops_names, "Compression", "Compressor", "DistributedOptimizer", "broadcast_optimizer_state",

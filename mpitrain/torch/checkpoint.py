@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import checkpoint, session
-from ..trainer.broadcast import ArrayKind
+from ..parallel.broadcast import ArrayKind
 from .tensors import as_buffer, from_buffer
 
 TENSORS = ArrayKind(
@@ -27,7 +27,7 @@ TENSORS = ArrayKind(
                                                    device=memory),
     memory=lambda x: str(x.device.type),
 )
-"""Torch tensors as the leaves of :func:`mpitrain.trainer.broadcast_tree`."""
+"""Torch tensors as the leaves of :func:`mpitrain.parallel.broadcast.broadcast_tree`."""
 
 
 def to_numpy(tree: Any) -> Any:

@@ -14,12 +14,8 @@ Async calls return an integer handle, as in Horovod: :func:`poll` tests it,
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -29,7 +25,9 @@ from .. import session, timeline
 from ..communicator import Communicator
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
-from ..trainer.compression import Compression
+from ..parallel.compression import Compression
+from ..parallel.pending import HandleTable, Pending
+from ..parallel.refusal import agreed, refusing
 from . import process_sets as _sets
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sparse import prepare_sparse_allreduce, sparse_part_names, start_sparse_allreduce
@@ -87,9 +85,7 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None,
 def shutdown() -> None:
     """Finish the engine and release mpitrain's communicators; :func:`init` may follow."""
     global _control_comm
-    with _lock:
-        _ops.clear()
-        _finished.clear()
+    _table.clear()
     _sets.clear()
     if _control_comm is not None:
         _control_comm.comm.Free()
@@ -223,57 +219,18 @@ def _control(process_set: ProcessSet | None = None) -> MPI.Intracomm:
 
 
 # -- handles --------------------------------------------------------------------------
-@dataclass
-class _Op:
-    handles: list[Any]  # engine handles
-    finish: Callable[[], Any]  # waits; returns the output
-
-
-_ops: dict[int, _Op] = {}
-_issued = 0  # the last handle number given out
-_lock = threading.Lock()
-_FINISHED_KEPT = 1024
-_finished: OrderedDict[int, Callable[[], Any]] = OrderedDict()
-"""Weak references to the outputs of the last synchronized handles, by handle."""
+_table = HandleTable(lambda: rank())
 
 
 def _register(handles: list[Any], finish: Callable[[], Any]) -> int:
-    global _issued
-    with _lock:
-        _issued += 1
-        _ops[_issued] = _Op(handles, finish)
-        return _issued
-
-
-def _weakly(result: Any) -> Callable[[], Any]:
-    """A getter of ``result`` that keeps it alive no longer than its other owners do."""
-    if isinstance(result, (list, tuple)):
-        refs = [weakref.ref(r) for r in result]
-        kind = type(result)
-
-        def items() -> Any:
-            alive = [r() for r in refs]
-            return None if any(a is None for a in alive) else kind(alive)
-        return items
-    return weakref.ref(result)
-
-
-def _lookup(handle: int) -> _Op | None:
-    """The operation of ``handle`` in flight; ``None`` if it was already synchronized."""
-    with _lock:
-        op = _ops.get(handle)
-    if op is None and not (isinstance(handle, int) and 0 < handle <= _issued):
-        raise ArgumentError(f"rank {rank()}: {handle!r} is not a handle returned by an async "
-                            f"call of this module (handles are 1..{_issued}); pass the value "
-                            "that allreduce_async() and the like returned")
-    return op
+    """Keep an operation made of engine ``handles`` whose output ``finish`` makes."""
+    return _table.register(Pending(handles, finish))
 
 
 def poll(handle: int) -> bool:
     """True once the operation of ``handle`` is done (never blocks); True after
     :func:`synchronize` too."""
-    op = _lookup(handle)
-    return op is None or all(h.test() for h in op.handles)
+    return _table.poll(handle)
 
 
 def synchronize(handle: int) -> Any:
@@ -287,18 +244,7 @@ def synchronize(handle: int) -> Any:
         ArgumentError: ``handle`` was never returned by an async call here.
         CommunicationError: the operation failed across ranks (``HorovodInternalError``).
     """
-    with _lock:
-        op = _ops.pop(handle, None)
-        getter = _finished.get(handle) if op is None else None
-    if op is None:
-        _lookup(handle)  # raises for a handle never given out
-        return None if getter is None else getter()
-    result = op.finish()
-    with _lock:
-        _finished[handle] = _weakly(result)
-        if len(_finished) > _FINISHED_KEPT:
-            _finished.popitem(last=False)
-    return result
+    return _table.synchronize(handle)
 
 
 def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
@@ -311,72 +257,19 @@ def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
 
 
 # -- local errors end the collective on every rank ---------------------------------
-# A collective's arguments are turned into what the engine takes (op, scaling, zero-copy
-# views) on each rank alone, so a bad argument on one rank raises there before that
-# rank's submission exists, and the other ranks would wait for it (forever, by default).
-# Every operation therefore prepares its submissions inside ``_refusing``, which
-# announces an error raised there to the other ranks through the engine, in place of
-# the submissions it prevented (same kind, same name; unnamed ones take the next number
-# of their kind, so later unnamed operations stay matched). The engine's own refusals
-# (raised by the submission call itself) it announces itself: the submission call is
-# never inside the block. The adapter's blocking exchanges (alltoall, broadcast_object)
-# share each rank's outcome in an exchange they make anyway, or one small allgather
-# (``_agreed``). Not announced: errors about the process set itself (not an
+# Every operation prepares its submissions inside ``refusing`` (mpitrain.parallel.refusal);
+# the blocking exchanges (alltoall, broadcast_object) share each rank's outcome with
+# ``agreed``. Not announced: errors about the process set itself (not an
 # ``hvd.ProcessSet``, not registered, or without this rank): such a rank does not know
 # which ranks, and so which engine and which counter, the collective belongs to, and
 # the members of the set are not waiting for a rank outside it.
-@contextlib.contextmanager
-def _refusing(comm: Communicator, kind: str, *names: str | None) -> Iterator[None]:
-    """Prepare this rank's ``kind`` submissions named ``names`` (``None``: unnamed) on
-    ``comm`` in the block; if it raises, announce every one of them as refused (the
-    other ranks' submissions fail with ``MismatchError`` naming this rank and the
-    error) and re-raise."""
-    try:
-        yield
-    except Exception as exc:
-        engine = comm.engine()
-        for name in names:
-            engine.refuse(kind, name, exc)
-        raise
-
-
-@dataclass(frozen=True)
-class _Refused:
-    """What a rank sends in an ``_agreed`` exchange in place of its part: its error."""
-
-    rank: int
-    error: str
+_refusing = refusing
 
 
 def _agreed(exchange: Callable[[Any], list[Any]], what: str,
             prepare: Callable[[], tuple[_T, Any]]) -> tuple[_T, list[Any]]:
-    """Run ``prepare`` (this rank's checks; it returns a value and the part the other
-    ranks see) and ``exchange`` (an allgather) the parts, or this rank's error in place
-    of its part, so that an error on any rank ends the collective ``what`` on every rank.
-
-    Returns:
-        ``prepare``'s value and every rank's part, in rank order.
-
-    Raises:
-        the error ``prepare`` raised, on its rank; ``MismatchError`` naming that rank and
-        its error on the others.
-    """
-    failure: Exception | None = None
-    try:
-        value, part = prepare()
-    except Exception as exc:
-        failure, part = exc, _Refused(rank(), f"{type(exc).__name__}: {exc}")
-    parts = exchange(part)
-    if failure is not None:
-        raise failure
-    refused = [p for p in parts if isinstance(p, _Refused)]
-    if refused:
-        raise MismatchError(f"rank {rank()}: {what} is given up on every rank: "
-                            + "; ".join(f"it was refused on rank {p.rank}: {p.error}"
-                                        for p in refused)
-                            + ". Fix that rank's arguments; the other ranks cannot go on "
-                            "without it")
-    return value, parts
+    """:func:`~mpitrain.parallel.refusal.agreed` with this rank's number."""
+    return agreed(exchange, rank(), what, prepare)
 
 
 # -- allreduce ------------------------------------------------------------------------
@@ -860,9 +753,7 @@ def _member(name: str | None, index: int) -> str | None:
 
 def _group_handle(numbers: list[int]) -> int:
     """One handle over the handles ``numbers``; its output is the list of theirs."""
-    with _lock:
-        ops = [_ops.pop(n) for n in numbers]
-    return _register([h for op in ops for h in op.handles], lambda: [op.finish() for op in ops])
+    return _table.merge(numbers)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,

@@ -10,12 +10,12 @@ the wrapped optimizer's ``param_groups``, so a schedule changes the learning rat
 the wrapped optimizer uses.
 
 Each parameter gets a ``register_post_accumulate_grad_hook``: when autograd has
-accumulated its gradient, the hook tells the :class:`~mpitrain.trainer.GradientReducer`,
+accumulated its gradient, the hook tells the :class:`~mpitrain.parallel.reducer.GradientReducer`,
 which starts the in-place allreduce of ``p.grad`` at once (after
 ``backward_passes_per_step`` passes), while backward goes on with earlier layers.
 ``step()`` waits for all of them. Where that overlap cannot pay (CPU tensors on one
 node, no core to spare beyond ``torch.get_num_threads()``: see
-:func:`~mpitrain.trainer.reducer.grad_batch_bytes`, ``MPITRAIN_GRAD_BATCH_BYTES``),
+:func:`~mpitrain.parallel.reducer.grad_batch_bytes`, ``MPITRAIN_GRAD_BATCH_BYTES``),
 final gradients wait until 8 MiB of them are ready and start together. With
 ``op=Adasum`` (:class:`AdasumReducer`) the hook steps the parameter's group locally
 instead and starts the Adasum of its change.
@@ -30,9 +30,9 @@ import torch
 
 from ..errors import ArgumentError, UnsupportedError
 from ..ops import ReduceOp, parse_op
-from ..trainer.broadcast import broadcast_arrays, broadcast_tree
-from ..trainer.compression import Compression
-from ..trainer.reducer import DistributedOptimizerBase, GradientReducer, Submitted
+from ..parallel.broadcast import broadcast_arrays, broadcast_tree
+from ..parallel.compression import Compression
+from ..parallel.reducer import DistributedOptimizerBase, GradientReducer, Submitted
 from .checkpoint import TENSORS
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
 from .sparse import prepare_sparse_allreduce, start_sparse_allreduce

@@ -21,7 +21,7 @@ Typical loop under ``mpirun -np N python train.py``::
 from __future__ import annotations
 
 from ..ops import Adasum
-from .broadcast import (
+from ..parallel.broadcast import (
     allgather_object,
     broadcast_arrays,
     broadcast_object,
@@ -29,12 +29,12 @@ from .broadcast import (
     broadcast_parameters,
     broadcast_tree,
 )
-from .compression import Compression, Compressor
+from ..parallel.compression import Compression, Compressor
+from ..parallel.reducer import GradientReducer
 from .data import DistributedSampler
 from .distributed import DistributedOptimizer
 from .metrics import Metrics, average_metrics
 from .optimizers import SGD, Adam, GradParameter, Optimizer, Parameter
-from .reducer import GradientReducer
 
 __all__ = [
     "SGD", "Adam", "Adasum", "Compression", "Compressor", "DistributedOptimizer",

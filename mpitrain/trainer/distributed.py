@@ -1,7 +1,7 @@
 """The numpy/cupy DistributedOptimizer: wraps any optimizer of the trainer protocol.
 
 See :mod:`mpitrain.trainer.optimizers` for the protocol and
-:mod:`mpitrain.trainer.reducer` for how gradients are averaged.
+:mod:`mpitrain.parallel.reducer` for how gradients are averaged.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from ..backends import NUMPY
 from ..communicator import Communicator
 from ..errors import UnsupportedError
 from ..ops import ReduceOp, parse_op
-from .compression import Compression
-from .reducer import DistributedOptimizerBase, GradientReducer
+from ..parallel.compression import Compression
+from ..parallel.reducer import DistributedOptimizerBase, GradientReducer
 
 
 class ArrayBridge:

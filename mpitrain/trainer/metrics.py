@@ -13,7 +13,7 @@ import numpy as np
 
 from ..communicator import Communicator
 from ..errors import ArgumentError, MismatchError
-from .broadcast import resolve
+from ..parallel.broadcast import resolve
 
 
 def average_metrics(metrics: Mapping[str, float], weight: float = 1.0,

@@ -595,3 +595,44 @@ def test_idle_engine_sleeps(comm: mt.Communicator) -> None:
     time.sleep(0.3)
     used = time.process_time() - cpu
     assert_all_ranks(comm, used < 0.1, f"an idle engine used {used:.3f} s of CPU in 0.3 s")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_done_callbacks(comm: mt.Communicator, caplog: pytest.LogCaptureFixture) -> None:
+    """A handle's callbacks run once, after the result is ready (on the engine's side of
+    the cycle), at once for a handle already done; one that raises is logged and the
+    engine goes on."""
+    import threading
+
+    seen: list[tuple[str, Any, bool]] = []
+    lock = threading.Lock()
+
+    def record(tag: str) -> Any:
+        def fn(handle: mt.Handle) -> None:
+            with lock:
+                seen.append((tag, handle.wait().copy(), handle.done))
+        return fn
+
+    def broken(handle: mt.Handle) -> None:
+        raise RuntimeError("a callback that fails on purpose")
+
+    x = np.arange(5, dtype=np.float64)
+    with caplog.at_level("ERROR", logger="mpitrain"):
+        h = comm.allreduce_async(x, name="cb")
+        h.add_done_callback(record("first"))
+        h.add_done_callback(broken)
+        h.add_done_callback(record("second"))
+        result = h.wait()
+        for _ in range(200):  # the engine calls them after its cycle: wait for both
+            with lock:
+                if len(seen) == 2:
+                    break
+            time.sleep(0.01)
+        h.add_done_callback(record("late"))  # done: called here, at once
+    with lock:
+        tags = [t for t, _, _ in seen]
+        ok = sorted(tags[:2]) == ["first", "second"] and tags[2:] == ["late"] and all(
+            done and np.array_equal(v, result) for _, v, done in seen)
+    assert_all_ranks(comm, ok, f"callbacks seen: {tags}")
+    assert_all_ranks(comm, "fails on purpose" in caplog.text, "the failing callback logged")
+    assert_equal_all_ranks(comm, comm.allreduce_async(x).wait(), x * comm.size, "usable after")

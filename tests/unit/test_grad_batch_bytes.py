@@ -10,8 +10,8 @@ import pytest
 
 import mpitrain as mt
 from mpitrain import config
-from mpitrain.trainer import reducer
-from mpitrain.trainer.reducer import SHARED_CORE_BATCH_BYTES, cores_per_rank, grad_batch_bytes
+from mpitrain.parallel import reducer
+from mpitrain.parallel.reducer import SHARED_CORE_BATCH_BYTES, cores_per_rank, grad_batch_bytes
 
 
 def node(local_size: int, cross_size: int = 1) -> Any:

@@ -18,7 +18,7 @@ Life of one step, per parameter ``p``:
    submitted yet (a parameter without gradient contributes zeros, as other ranks
    may have one) in one batch, waits for every allreduce, decompresses and stores
    the averages (a built-in compressor's cast back is the converting copy into the
-   gradient: :attr:`~mpitrain.trainer.compression.Compressor.casts`).
+   gradient: :attr:`~mpitrain.parallel.compression.Compressor.casts`).
 
 When to start (``MPITRAIN_GRAD_BATCH_BYTES``, :func:`grad_batch_bytes`): Horovod
 starts each allreduce as soon as its gradient is final (``batch_bytes`` 0), which

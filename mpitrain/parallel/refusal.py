@@ -1,0 +1,80 @@
+"""A local error ends the collective on every rank: the refusal protocol of the adapters.
+
+A collective's arguments are turned into what the engine takes (op, scaling, zero-copy
+views) on each rank alone, so a bad argument on one rank raises there before that
+rank's submission exists, and the other ranks would wait for it (forever, by default).
+An adapter therefore prepares its submissions inside :func:`refusing`, which announces
+an error raised there to the other ranks through the engine, in place of the
+submissions it prevented (same kind, same name; unnamed ones take the next number of
+their kind, so later unnamed operations stay matched): the other ranks' submissions
+fail with :class:`~mpitrain.MismatchError` naming this rank and its error. The engine
+announces its own refusals (raised by the submission call itself), so the submission
+call is never inside the block. Blocking exchanges that an adapter makes outside the
+engine (alltoall, gather, broadcast_object) share each rank's outcome in an exchange
+they make anyway, or one small allgather (:func:`agreed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+from ..communicator import Communicator
+from ..errors import MismatchError
+
+_T = TypeVar("_T")
+
+
+@contextlib.contextmanager
+def refusing(comm: Communicator, kind: str, *names: str | None) -> Iterator[None]:
+    """Prepare this rank's ``kind`` submissions named ``names`` (``None``: unnamed) on
+    ``comm`` in the block; if it raises, announce every one of them as refused and
+    re-raise."""
+    try:
+        yield
+    except Exception as exc:
+        engine = comm.engine()
+        for name in names:
+            engine.refuse(kind, name, exc)
+        raise
+
+
+@dataclass(frozen=True)
+class Refused:
+    """What a rank sends in an :func:`agreed` exchange in place of its part: its error."""
+
+    rank: int
+    error: str
+
+
+def agreed(exchange: Callable[[Any], list[Any]], rank: int, what: str,
+           prepare: Callable[[], tuple[_T, Any]]) -> tuple[_T, list[Any]]:
+    """Run ``prepare`` (this rank's checks; it returns a value and the part the other
+    ranks see) and ``exchange`` (an allgather) the parts, or this rank's error in place
+    of its part, so that an error on any rank ends the collective ``what`` on every rank
+    (``rank``: this rank, as the messages name it).
+
+    Returns:
+        ``prepare``'s value and every rank's part, in rank order.
+
+    Raises:
+        the error ``prepare`` raised, on its rank; ``MismatchError`` naming that rank and
+        its error on the others.
+    """
+    failure: Exception | None = None
+    try:
+        value, part = prepare()
+    except Exception as exc:
+        failure, part = exc, Refused(rank, f"{type(exc).__name__}: {exc}")
+    parts = exchange(part)
+    if failure is not None:
+        raise failure
+    refused = [p for p in parts if isinstance(p, Refused)]
+    if refused:
+        raise MismatchError(f"rank {rank}: {what} is given up on every rank: "
+                            + "; ".join(f"it was refused on rank {p.rank}: {p.error}"
+                                        for p in refused)
+                            + ". Fix that rank's arguments; the other ranks cannot go on "
+                            "without it")
+    return value, parts

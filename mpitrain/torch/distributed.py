@@ -1,0 +1,778 @@
+"""``torch.distributed`` over mpitrain: the process-group backend ``"mpitrain"``.
+
+``import mpitrain.torch`` registers it, so that a script started by ``mpirun``::
+
+    import torch.distributed as dist
+    import mpitrain.torch  # noqa: F401  (registers the "mpitrain" backend)
+
+    dist.init_process_group("mpitrain")
+
+gets a process group over the MPI job, whatever torch builds on it:
+``DistributedDataParallel`` (its communication hooks included), FSDP2's
+``fully_shard``, ``DeviceMesh``, ``torch.distributed.pipelining``, and every
+collective of ``torch.distributed``.
+
+**Rendezvous.** torch reaches a backend only through a store, found by the
+``init_method``: ``"mpitrain://"`` takes the rank and the world size from MPI and puts a
+``TCPStore`` on rank 0 whose address rank 0 broadcasts over MPI. ``env://`` (torch's
+default, so also no ``init_method`` at all) takes that way too when ``MASTER_ADDR`` is not
+set, as under a plain ``mpirun``; with ``MASTER_ADDR`` and ``MASTER_PORT`` set (torchrun,
+``mpitrain-run``) torch's own rendezvous runs. Either way the ranks of the default group
+must be those of ``MPI.COMM_WORLD``.
+
+**Collectives.** Reductions, gathers and broadcasts (``all_reduce`` with every op but the
+bitwise ones, ``reduce``, ``broadcast``, ``all_gather`` and ``all_gather_into_tensor``,
+``reduce_scatter`` and ``reduce_scatter_tensor``, their coalesced forms) run through the
+async engine of a :class:`~mpitrain.Communicator` of the group's ranks: negotiated
+(ranks whose calls disagree get :class:`~mpitrain.MismatchError` on every rank),
+fused, and run on mpitrain's algorithms. ``async_op=True`` returns a
+:class:`~torch.distributed.Work` whose ``get_future()`` completes on the engine's
+thread; a blocking call waits for it. The bitwise reductions, ``gather``,
+``scatter``, ``all_to_all`` and ``all_to_all_single`` run MPI's own collectives on the
+group's own duplicate communicator after one exchange of every rank's arguments (so
+that an error on one rank is an error on every rank); point-to-point messages go
+through MPI on another duplicate, with torch's tags. Device tensors go to the engine as
+they are (CUDA, through the GPU backend); MPI's own collectives and point-to-point
+messages carry host copies of them.
+
+**Time limits.** The group's communicator takes ``init_process_group``'s ``timeout`` as
+its stall timeout (unless ``MPITRAIN_STALL_TIMEOUT_S`` is set): a collective that some
+rank never calls raises :class:`~mpitrain.StallError` after it on the ranks that wait, and
+the stall inspector names the missing ranks from ``MPITRAIN_STALL_WARNING_S`` (60 s) on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .. import config
+from ..communicator import Communicator
+from ..config import Settings
+from ..engine import Handle
+from ..errors import ArgumentError, DtypeError, MismatchError, UnsupportedError
+from ..ops import ReduceOp
+from ..parallel.pending import Pending
+from ..parallel.refusal import agreed, refusing
+from .tensors import as_buffer, from_buffer, producer_stream
+
+torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+BACKEND = "mpitrain"
+"""The name to pass to ``torch.distributed.init_process_group``."""
+SCHEME = "mpitrain"
+"""The ``init_method`` scheme of the MPI rendezvous: ``"mpitrain://"``."""
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+"""Variables an MPI launcher sets on its ranks (Open MPI, Hydra, PMIx)."""
+_BITWISE = {"BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
+_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVERAGE, "PRODUCT": ReduceOp.PRODUCT,
+        "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "PREMUL_SUM": ReduceOp.SUM}
+
+
+# -- rendezvous ------------------------------------------------------------------------
+def mpi_rendezvous(url: str, timeout: datetime.timedelta = dist.default_pg_timeout,
+                   **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    """The ``mpitrain://`` rendezvous: this process's rank and the world size from
+    ``MPI.COMM_WORLD``, and a ``TCPStore`` on rank 0 (a free port, its address
+    broadcast over MPI). A ``rank`` or ``world_size`` given to ``init_process_group``
+    must be MPI's."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    query = parse_qs(urlparse(url).query)
+    for name, ours in (("rank", rank), ("world_size", size)):
+        given = int(query.get(name, ["-1"])[0])
+        if given not in (-1, ours):
+            raise ArgumentError(f"rank {rank}: init_process_group got {name}={given}, but MPI "
+                                f"gives this process {name}={ours}; leave {name} out (the "
+                                f"{SCHEME} rendezvous takes it from MPI)")
+    address = None
+    store: dist.Store | None = None
+    if rank == 0:
+        store = dist.TCPStore(socket.gethostname(), 0, size, True, timeout=timeout,
+                              wait_for_workers=False)
+        address = (socket.gethostname(), store.port)
+    host, port = world.bcast(address, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    yield store, rank, size
+    raise RuntimeError(f"the {SCHEME}:// rendezvous cannot run twice in one process")
+
+
+_env_handler = torch_rendezvous._rendezvous_handlers.get("env")
+
+
+def _env_or_mpi(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    """``env://``: torch's own where ``MASTER_ADDR`` is set, else :func:`mpi_rendezvous`
+    (a plain ``mpirun``, or one process on its own)."""
+    if os.environ.get("MASTER_ADDR") or _env_handler is None:
+        if _env_handler is None:
+            raise RuntimeError("torch has no env:// rendezvous to fall back on")
+        return _env_handler(url, **kwargs)
+    return mpi_rendezvous(url, **kwargs)
+
+
+def launched_by_mpi() -> bool:
+    """True if an MPI launcher started this process."""
+    return any(os.environ.get(name) for name in MPI_LAUNCHER_VARIABLES)
+
+
+# -- ops and tensors --------------------------------------------------------------------
+def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
+    """mpitrain's op for torch's ``op``, the factor of a ``PREMUL_SUM``, and MPI's op of
+    a bitwise reduction (which mpitrain's op is then ``None``)."""
+    kind = getattr(op, "op", op)
+    name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1]
+    if name in _BITWISE:
+        return None, 1.0, _BITWISE[name]
+    if name not in _OPS:
+        raise UnsupportedError(f"the {BACKEND} backend has no reduction {name}")
+    factor = 1.0
+    if name == "PREMUL_SUM":
+        value = op.factor
+        factor = float(value.item() if isinstance(value, torch.Tensor) else value)
+    return _OPS[name], factor, None
+
+
+def _uint8_for_bool(t: torch.Tensor, op: ReduceOp | None, what: str) -> torch.Tensor:
+    """A bool tensor as uint8 (same memory) where the reduction keeps 0/1 (min, max);
+    other tensors as they are."""
+    if t.dtype != torch.bool:
+        return t
+    if op not in (ReduceOp.MIN, ReduceOp.MAX, None):
+        raise DtypeError(f"{what} of bool tensors takes MIN, MAX, BAND or BOR, not {op!r}; "
+                         "cast with .to(torch.uint8)")
+    return t.view(torch.uint8)
+
+
+def _contiguous_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ArgumentError(f"{what} needs contiguous tensors, got one of strides "
+                            f"{tuple(t.stride())}; pass tensor.contiguous()")
+    return t
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """``t``'s bytes in host memory, for MPI's own calls: a view of a contiguous CPU
+    tensor's own memory, else a copy (see :func:`_store`)."""
+    host = t.detach().to("cpu").contiguous()
+    return host.reshape(-1).view(torch.uint8).numpy()
+
+
+def _store(t: torch.Tensor, data: np.ndarray[Any, Any]) -> None:
+    """Put bytes ``data`` into ``t`` (nothing to do where ``data`` is ``t``'s own memory,
+    from :func:`_bytes`)."""
+    nbytes = t.numel() * t.element_size()
+    if data.size != nbytes:
+        raise ArgumentError(f"a tensor of {nbytes} bytes cannot take {data.size} bytes")
+    if nbytes == 0 or (t.device.type == "cpu" and t.is_contiguous()
+                       and data.ctypes.data == t.data_ptr()):
+        return
+    source = torch.from_numpy(np.ascontiguousarray(data)).view(t.dtype).reshape(t.shape)
+    with torch.no_grad():
+        t.copy_(source)
+
+
+# -- work ---------------------------------------------------------------------------------
+class Work(dist.Work):
+    """A collective in flight: ``wait()`` (raises the operation's error),
+    ``is_completed()``, ``get_future()`` (its value: the output tensors; it completes on
+    the engine's thread, as torch's futures complete on a backend's).
+
+    Args:
+        pending: the engine handles and what finishes the operation (copies into the
+            output tensors, device copies back).
+        outputs: the tensors the operation writes: the future's value.
+    """
+
+    def __init__(self, pending: Pending, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._pending, self._outputs = pending, outputs
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Block until done (the stall timeout bounds the wait); raise its error."""
+        self._pending.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once done, outputs written (never blocks)."""
+        if not self._pending.done():
+            return False
+        with contextlib.suppress(Exception):  # done: finishes at once (the copies, once)
+            self._pending.wait()
+        return True
+
+    def is_success(self) -> bool:
+        """True once done without an error."""
+        return self.is_completed() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The operation's error, once done; else ``None``."""
+        if not self._pending.done():
+            return None
+        try:
+            self._pending.wait()
+        except Exception as exc:
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors."""
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A future of the output tensors, completed (or failed) when the operation is."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            self._future = future
+
+        def done(pending: Pending) -> None:
+            try:
+                pending.wait()
+            except Exception as exc:
+                future.set_exception(exc)  # type: ignore[arg-type]
+                return
+            future.set_result(self._outputs)
+
+        self._pending.add_done_callback(done)
+        return future
+
+
+def _together(works: list[Work], outputs: list[torch.Tensor]) -> Work:
+    """One Work over ``works``: done when every one is, its value ``outputs``."""
+    return Work(Pending([h for w in works for h in w._pending.handles],
+                        lambda: [w.wait() for w in works]), outputs)
+
+
+def _done(outputs: list[torch.Tensor], finish: Callable[[], Any] | None = None) -> Work:
+    """A Work that is done already (its ``finish`` runs at once, raising here)."""
+    pending = Pending([], finish or (lambda: None))
+    pending.wait()
+    return Work(pending, outputs)
+
+
+class _MpiRequests:
+    """MPI requests of point-to-point messages, as an engine handle looks to
+    :class:`~mpitrain.parallel.pending.Pending` (``wait``, ``test``, a callback when
+    done: on the waiting thread)."""
+
+    def __init__(self, requests: list[MPI.Request]) -> None:
+        self.requests = requests
+        self._done = False
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def wait(self) -> None:
+        MPI.Request.Waitall(self.requests)
+        self._fire()
+
+    def test(self) -> bool:
+        if not self._done and MPI.Request.Testall(self.requests):
+            self._fire()
+        return self._done
+
+    def _fire(self) -> None:
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if self._done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+
+# -- the process group --------------------------------------------------------------------
+class ProcessGroupMpitrain(dist.ProcessGroup):
+    """A torch process group whose collectives run on mpitrain.
+
+    Args:
+        comm: the mpitrain communicator of the group's ranks.
+        name: torch's name of the group (``group_id``; DeviceMesh looks groups up by it).
+    """
+
+    def __init__(self, comm: Communicator, name: str) -> None:
+        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]
+        self._name = name
+        self.comm = comm
+        self.control = comm.mpi_comm.Dup()  # MPI's own collectives, their checks
+        self.p2p = comm.mpi_comm.Dup()  # point-to-point messages, torch's tags
+
+    def getBackendName(self) -> str:
+        """``"mpitrain"``."""
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """torch's name of the group."""
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupMpitrain rank {self.comm.rank} of {self.comm.size}>"
+
+    # -- reductions --------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        """``all_reduce`` of each tensor, in place."""
+        op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        if bitwise is not None:
+            return self._bitwise(tensors, bitwise, "all_reduce")
+        assert op is not None
+        return self._allreduce(tensors, op, factor)
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: ReduceOp, factor: float) -> Work:
+        """The engine's in-place allreduce of each tensor (scaled by ``factor`` first)."""
+        handles = self._each("allreduce", tensors, op, lambda b, t: self.comm.allreduce_async_(
+            b, op, prescale_factor=factor, stream=producer_stream(t)))
+        return Work(Pending(handles, lambda: _wait_all(handles)), tensors)
+
+    def _each(self, kind: str, tensors: list[torch.Tensor], op: ReduceOp | None,
+              submit: Callable[[Any, torch.Tensor], Handle]) -> list[Handle]:
+        """Submit ``kind`` (an engine kind) of each tensor, ``submit(buffer, tensor)``,
+        once every tensor is checked and viewed: an error there is announced as the
+        refusal of each submission, so the other ranks fail too."""
+        with refusing(self.comm, kind, *[None] * len(tensors)):
+            work = [_uint8_for_bool(t, op, kind) for t in tensors]
+            buffers = [as_buffer(t) for t in work]
+        return [submit(b, t) for b, t in zip(buffers, work)]
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        """One fused ``all_reduce`` of every tensor (one collective per dtype)."""
+        op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        if bitwise is not None:
+            return self._bitwise(tensors, bitwise, "all_reduce_coalesced")
+        assert op is not None
+        comm = self.comm
+        with refusing(comm, "grouped_allreduce", None):
+            work = [_uint8_for_bool(t, op, "all_reduce") for t in tensors]
+            buffers = [as_buffer(t) for t in work]
+        handle = comm.grouped_allreduce_async_(
+            buffers, op, prescale_factor=factor,
+            stream=producer_stream(work[0]) if work else None)
+        return Work(Pending([handle], handle.wait), tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        """``reduce`` to ``rootRank``: the root's tensors get the result, the others'
+        stay as they were (reduced through copies)."""
+        root = _opt(opts, "rootRank", 0)
+        op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        self.comm.dispatcher.checks.root(root)
+        sources = tensors if self.comm.rank == root else [t.clone() for t in tensors]
+        if bitwise is not None:
+            return self._bitwise(sources, bitwise, "reduce", tensors)
+        assert op is not None
+        inner = self._allreduce(sources, op, factor)
+        return Work(inner._pending, tensors)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                       opts: Any = None) -> Work:
+        """``reduce_scatter``: ``outputs[i]`` gets the reduction of every rank's
+        ``input_lists[i][rank]``."""
+        op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        comm = self.comm
+        with refusing(comm, "reduce_scatter", *[None] * len(outputs)):
+            if bitwise is not None:
+                raise UnsupportedError("reduce_scatter with a bitwise op: use all_reduce")
+            stacked = []
+            for output, inputs in zip(outputs, input_lists):
+                if len(inputs) != comm.size or any(t.numel() != output.numel() for t in inputs):
+                    raise ArgumentError(f"rank {comm.rank}: reduce_scatter needs {comm.size} "
+                                        f"input tensors of {output.numel()} elements each")
+                stacked.append(torch.stack([t.reshape(-1) for t in inputs]))
+        return self._reduce_scatter_rows(outputs, stacked, op, factor)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> Work:
+        """``reduce_scatter_tensor``: ``output`` gets this rank's ``1/size`` of ``input``."""
+        op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        comm = self.comm
+        with refusing(comm, "reduce_scatter", None):
+            if bitwise is not None:
+                raise UnsupportedError("reduce_scatter_tensor with a bitwise op: use all_reduce")
+            if input.numel() != output.numel() * comm.size:
+                raise ArgumentError(f"rank {comm.rank}: reduce_scatter_tensor needs an input of "
+                                    f"size x {output.numel()} = {output.numel() * comm.size} "
+                                    f"elements, got {input.numel()}")
+            rows = _contiguous_view(input, "reduce_scatter_tensor").reshape(comm.size, -1)
+        return self._reduce_scatter_rows([output], [rows], op, factor)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (torch < 2.12)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        """``reduce_scatter_tensor`` of each pair, together."""
+        return _together([self.reduce_scatter_single(o, i, opts)
+                          for o, i in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    def _reduce_scatter_rows(self, outputs: list[torch.Tensor], rows: list[torch.Tensor],
+                             op: ReduceOp | None, factor: float) -> Work:
+        """Reduce-scatter each ``(size, n)`` tensor of ``rows`` into its output (row
+        ``rank``)."""
+        assert op is not None  # (the callers refuse the bitwise ops)
+        handles = self._each("reduce_scatter", rows, op,
+                             lambda b, r: self.comm.reduce_scatter_async(
+                                 b, op, prescale_factor=factor, stream=producer_stream(r)))
+
+        def finish() -> None:
+            for output, handle in zip(outputs, handles):
+                block = from_buffer(handle.wait())
+                with torch.no_grad():
+                    target = output.view(torch.uint8) if output.dtype == torch.bool else output
+                    target.copy_(block.reshape(target.shape))
+        return Work(Pending(handles, finish), outputs)
+
+    # -- gathers and broadcasts --------------------------------------------------------
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> Work:
+        """``all_gather``: ``output_lists[i][r]`` gets rank ``r``'s ``inputs[i]``."""
+        comm = self.comm
+        with refusing(comm, "allgather", *[None] * len(inputs)):
+            buffers = [as_buffer(_uint8_for_bool(t, None, "all_gather").reshape(1, -1))
+                       for t in inputs]
+            for outputs, t in zip(output_lists, inputs):
+                if len(outputs) != comm.size or any(o.numel() != t.numel() for o in outputs):
+                    raise ArgumentError(f"rank {comm.rank}: all_gather needs {comm.size} output "
+                                        f"tensors of {t.numel()} elements each")
+        handles = [comm.allgather_async(b, stream=producer_stream(t))
+                   for b, t in zip(buffers, inputs)]
+
+        def finish() -> None:
+            for outputs, handle in zip(output_lists, handles):
+                gathered = from_buffer(handle.wait())
+                with torch.no_grad():
+                    for r, o in enumerate(outputs):
+                        target = o.view(torch.uint8) if o.dtype == torch.bool else o
+                        target.copy_(gathered[r].reshape(target.shape))
+        return Work(Pending(handles, finish), [o for outs in output_lists for o in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any = None) -> Work:
+        """``all_gather_into_tensor``: ``output`` holds every rank's ``input`` in rank
+        order (written in place: no copy out)."""
+        comm = self.comm
+        with refusing(comm, "allgather", None):
+            if output.numel() != input.numel() * comm.size:
+                raise ArgumentError(f"rank {comm.rank}: all_gather_into_tensor needs an output "
+                                    f"of size x {input.numel()} = {input.numel() * comm.size} "
+                                    f"elements, got {output.numel()}")
+            buffer = as_buffer(_uint8_for_bool(input, None, "all_gather").reshape(1, -1))
+            out = as_buffer(_uint8_for_bool(_contiguous_view(output, "all_gather_into_tensor"),
+                                            None, "all_gather").view(comm.size, -1))
+        handle = comm.allgather_async(buffer, stream=producer_stream(input), out=out)
+        return Work(Pending([handle], handle.wait), [output])
+
+    _allgather_base = all_gather_single  # (torch < 2.12)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        """``all_gather_into_tensor`` of each pair, together."""
+        return _together([self.all_gather_single(o, i, opts)
+                          for o, i in zip(outputs, inputs)], outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        """``all_gather`` of each input, together."""
+        return self.allgather(output_lists, inputs, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        """``broadcast`` from ``rootRank``, in place."""
+        root = _opt(opts, "rootRank", 0)
+        comm = self.comm
+        with refusing(comm, "broadcast", *[None] * len(tensors)):
+            buffers = [as_buffer(_uint8_for_bool(t, None, "broadcast")) for t in tensors]
+        handles = [comm.broadcast_async_(b, root=root, stream=producer_stream(t))
+                   for b, t in zip(buffers, tensors)]
+        return Work(Pending(handles, lambda: _wait_all(handles)), tensors)
+
+    # -- MPI's own collectives ---------------------------------------------------------
+    def _agree(self, what: str, prepare: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[Any]]:
+        """Every rank's ``prepare`` part, or the error of a rank whose checks failed on
+        every rank (one allgather on the control communicator, watched by nothing but
+        MPI: it follows calls that all ranks make in the same order)."""
+        return agreed(self.control.allgather, self.comm.rank, what, prepare)
+
+    def _bitwise(self, tensors: list[torch.Tensor], op: Any, what: str,
+                 outputs: list[torch.Tensor] | None = None) -> Work:
+        """A bitwise all-reduce (MPI's own, of the bytes: AND, OR and XOR act bit by
+        bit, whatever the integer width) of integer or bool tensors."""
+        def prepare() -> tuple[list[np.ndarray[Any, Any]], Any]:
+            bad = [str(t.dtype) for t in tensors if t.is_floating_point() or t.is_complex()]
+            if bad:
+                raise DtypeError(f"{what} with a bitwise op takes integer or bool tensors, "
+                                 f"got {', '.join(bad)}")
+            return [_bytes(t) for t in tensors], [(str(t.dtype), tuple(t.shape))
+                                                  for t in tensors]
+
+        data, parts = self._agree(what, prepare)
+        _same_everywhere(parts, self.comm.rank, what)
+        for t, d in zip(tensors, data):
+            self.control.Allreduce(MPI.IN_PLACE, d, op=op)
+            _store(t, d)
+        return _done(outputs if outputs is not None else tensors)
+
+    def gather(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
+               inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        """``gather`` to ``rootRank``."""
+        root = _opt(opts, "rootRank", 0)
+        comm = self.comm
+
+        def prepare() -> tuple[Any, Any]:
+            comm.dispatcher.checks.root(root)
+            if len(inputs) != 1:
+                raise ArgumentError(f"rank {comm.rank}: gather takes one input tensor")
+            if comm.rank == root and (len(output_lists) != 1 or
+                                      len(output_lists[0]) != comm.size):
+                raise ArgumentError(f"rank {comm.rank}: gather's root needs a list of "
+                                    f"{comm.size} output tensors")
+            data = _bytes(inputs[0])
+            return data, (str(inputs[0].dtype), data.size)
+
+        data, parts = self._agree("gather", prepare)
+        _same_everywhere([p[0] for p in parts], comm.rank, "gather")
+        if comm.rank != root:
+            self.control.Gatherv(data, None, root=root)
+            return _done([])
+        counts = [p[1] for p in parts]
+        received = np.empty(sum(counts), np.uint8)
+        self.control.Gatherv(data, [received, counts], root=root)
+        offsets = np.cumsum([0, *counts])
+        for r, out in enumerate(output_lists[0]):
+            _store(out, received[offsets[r]:offsets[r + 1]])
+        return _done(output_lists[0])
+
+    def scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                input_lists: list[list[torch.Tensor]], opts: Any = None) -> Work:
+        """``scatter`` from ``rootRank``: every rank's output must have the size of the
+        root's input for it."""
+        root = _opt(opts, "rootRank", 0)
+        comm = self.comm
+
+        def prepare() -> tuple[Any, Any]:
+            comm.dispatcher.checks.root(root)
+            if len(outputs) != 1:
+                raise ArgumentError(f"rank {comm.rank}: scatter takes one output tensor")
+            pieces = None
+            if comm.rank == root:
+                if len(input_lists) != 1 or len(input_lists[0]) != comm.size:
+                    raise ArgumentError(f"rank {comm.rank}: scatter's root needs a list of "
+                                        f"{comm.size} input tensors")
+                pieces = [_bytes(t) for t in input_lists[0]]
+            sizes = None if pieces is None else [p.size for p in pieces]
+            nbytes = outputs[0].numel() * outputs[0].element_size()
+            return pieces, (str(outputs[0].dtype), nbytes, sizes)
+
+        pieces, parts = self._agree("scatter", prepare)
+        _same_everywhere([p[0] for p in parts], comm.rank, "scatter")
+        counts = [p[1] for p in parts]
+        if parts[root][2] != counts:
+            raise MismatchError(f"rank {comm.rank}: scatter's root (rank {root}) has input "
+                                f"tensors of {parts[root][2]} bytes for outputs of {counts}")
+        mine = np.empty(counts[comm.rank], np.uint8)
+        send = [np.concatenate(pieces), counts] if pieces is not None else None
+        self.control.Scatterv(send, mine, root=root)
+        _store(outputs[0], mine)
+        return _done(outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int] | None,
+                          input_split_sizes: list[int] | None, opts: Any = None) -> Work:
+        """``all_to_all_single``, uneven splits included (rows of dim 0)."""
+        n, rank = self.comm.size, self.comm.rank
+
+        def splits(sizes: list[int] | None, t: torch.Tensor, what: str) -> list[int]:
+            rows = t.shape[0] if t.dim() else t.numel()
+            if not sizes:
+                if rows % n:
+                    raise ArgumentError(f"rank {rank}: all_to_all_single: the {what} has "
+                                        f"{rows} rows, not divisible by {n} ranks; pass "
+                                        "split sizes")
+                return [rows // n] * n
+            if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+                raise ArgumentError(f"rank {rank}: all_to_all_single: {what} splits "
+                                    f"{list(sizes)} must be {n} sizes summing to its {rows} rows")
+            return [int(x) for x in sizes]
+
+        def prepare() -> tuple[Any, Any]:
+            send_rows = splits(input_split_sizes, input, "input")
+            recv_rows = splits(output_split_sizes, output, "output")
+            rows = input.shape[0] if input.dim() else input.numel()
+            row = input.numel() * input.element_size() // rows if rows else 0
+            return (send_rows, recv_rows, row), (str(input.dtype), tuple(input.shape[1:]),
+                                                 send_rows, recv_rows)
+
+        (send_rows, recv_rows, row), parts = self._agree("all_to_all_single", prepare)
+        _same_everywhere([p[:2] for p in parts], rank, "all_to_all_single")
+        _pairs_agree([p[2] for p in parts], [p[3] for p in parts], rank,
+                     "all_to_all_single", "rows")
+        self._alltoallv(_bytes(input), [r * row for r in send_rows], output,
+                        [r * row for r in recv_rows])
+        return _done([output])
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # (torch before 2.12)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> Work:
+        """``all_to_all``: ``outputs[r]`` gets rank ``r``'s ``inputs[rank]``."""
+        n, rank = self.comm.size, self.comm.rank
+
+        def prepare() -> tuple[Any, Any]:
+            if len(inputs) != n or len(outputs) != n:
+                raise ArgumentError(f"rank {rank}: all_to_all needs {n} input and {n} output "
+                                    "tensors")
+            sizes = [t.numel() * t.element_size() for t in inputs]
+            expected = [o.numel() * o.element_size() for o in outputs]
+            return sizes, (str(inputs[0].dtype), sizes, expected)
+
+        sizes, parts = self._agree("all_to_all", prepare)
+        _same_everywhere([p[0] for p in parts], rank, "all_to_all")
+        _pairs_agree([p[1] for p in parts], [p[2] for p in parts], rank, "all_to_all", "bytes")
+        expected = parts[rank][2]
+        received = np.empty(sum(expected), np.uint8)
+        self.control.Alltoallv([np.concatenate([_bytes(t) for t in inputs]), sizes],
+                               [received, expected])
+        offsets = np.cumsum([0, *expected])
+        for r, o in enumerate(outputs):
+            _store(o, received[offsets[r]:offsets[r + 1]])
+        return _done(outputs)
+
+    def _alltoallv(self, send: np.ndarray[Any, Any], send_bytes: list[int],
+                   output: torch.Tensor, recv_bytes: list[int]) -> None:
+        received = np.empty(sum(recv_bytes), np.uint8)
+        self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
+        _store(output, received)
+
+    # -- synchronisation, point to point -----------------------------------------------
+    def barrier(self, opts: Any = None) -> Work:
+        """Every rank has called ``barrier``."""
+        self.comm.barrier()
+        return _done([])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        """Send each tensor to group rank ``dst`` (MPI; host copies of device tensors)."""
+        data = [_bytes(t) for t in tensors]
+        requests = _MpiRequests([self.p2p.Isend(d, dst, tag) for d in data])
+
+        def finish() -> list[np.ndarray[Any, Any]]:
+            requests.wait()
+            return data  # (kept alive until sent)
+        return Work(Pending([requests], finish), tensors)  # type: ignore[list-item]
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        """Receive each tensor from group rank ``src``."""
+        data = [_bytes(t) for t in tensors]
+        requests = _MpiRequests([self.p2p.Irecv(d, src, tag) for d in data])
+
+        def finish() -> None:
+            requests.wait()
+            for t, d in zip(tensors, data):
+                _store(t, d)
+        return Work(Pending([requests], finish), tensors)  # type: ignore[list-item]
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        """Receive each tensor from any rank (one message each; blocking)."""
+        for t in tensors:
+            data = _bytes(t)
+            self.p2p.Recv(data, MPI.ANY_SOURCE, tag)
+            _store(t, data)
+        return _done(tensors)
+
+
+def _opt(opts: Any, name: str, default: Any) -> Any:
+    return getattr(opts, name, default) if opts is not None else default
+
+
+def _wait_all(handles: list[Handle]) -> None:
+    for handle in handles:
+        handle.wait()
+
+
+def _pairs_agree(sends: list[list[int]], receives: list[list[int]], rank: int, what: str,
+                 unit: str) -> None:
+    """Raise on every rank (the lists are every rank's) unless what each rank sends to
+    each rank is what that rank expects from it."""
+    n = len(sends)
+    for s in range(n):
+        for r in range(n):
+            if sends[s][r] != receives[r][s]:
+                raise MismatchError(f"rank {rank}: {what}: rank {s} sends {sends[s][r]} {unit} "
+                                    f"to rank {r}, which expects {receives[r][s]}; the split "
+                                    "sizes must match on both sides")
+
+
+def _same_everywhere(parts: list[Any], rank: int, what: str) -> None:
+    """Raise on every rank (``parts`` are every rank's) if they differ."""
+    if any(p != parts[0] for p in parts):
+        other = next(r for r, p in enumerate(parts) if p != parts[0])
+        raise MismatchError(f"rank {rank}: {what} needs the same dtype (and trailing shape) on "
+                            f"every rank: rank 0 passed {parts[0]}, rank {other} {parts[other]}")
+
+
+# -- the backend --------------------------------------------------------------------------
+def _settings(timeout: datetime.timedelta | None) -> Settings:
+    """The communicator settings of a group: the environment's, with torch's timeout as
+    the stall timeout unless ``MPITRAIN_STALL_TIMEOUT_S`` is set."""
+    if timeout is None or os.environ.get(config.STALL_TIMEOUT_S.name):
+        return Settings.from_environment()
+    return Settings.from_environment(stall_timeout_s=timeout.total_seconds())
+
+
+def create(options: Any, backend_options: Any = None) -> ProcessGroupMpitrain:
+    """torch's creator of the backend (``register_backend(..., extended_api=True)``): a
+    group over ``MPI.COMM_WORLD`` for the default group, over the ranks of
+    ``global_ranks_in_group`` for the others (collective over the group's ranks)."""
+    world = MPI.COMM_WORLD
+    ranks = list(options.global_ranks_in_group)
+    if not ranks:
+        if options.group_size != world.Get_size() or options.group_rank != world.Get_rank():
+            raise ArgumentError(
+                f"the {BACKEND} backend runs over the processes of an MPI job, but torch "
+                f"has this process as rank {options.group_rank} of {options.group_size} and "
+                f"MPI as rank {world.Get_rank()} of {world.Get_size()}; start the script "
+                "with mpirun (or mpitrain-run) and leave rank and world_size to MPI")
+        comm = world
+    else:
+        group = world.Get_group().Incl(ranks)
+        comm = world.Create_group(group)
+        group.Free()
+    return ProcessGroupMpitrain(Communicator(comm, settings=_settings(options.timeout)),
+                                str(options.group_id))
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the backend and the rendezvous with torch (once per process)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+    handlers = torch_rendezvous._rendezvous_handlers
+    if SCHEME not in handlers:
+        dist.register_rendezvous_handler(SCHEME, mpi_rendezvous)
+    if _env_handler is not None and handlers.get("env") is _env_handler:
+        handlers["env"] = _env_or_mpi
+
+
+__all__ = ["BACKEND", "SCHEME", "ProcessGroupMpitrain", "Work", "create", "mpi_rendezvous",
+           "reduction", "register"]

@@ -1,0 +1,429 @@
+"""torch.distributed over the "mpitrain" backend: every collective against a numpy
+reference, async work and futures, groups and meshes, misuse on one rank, and DDP,
+FSDP2 and a pipeline schedule against one-process references.
+
+The default process group is made once for the module, as a user's script makes it
+under ``mpirun`` (no MASTER_ADDR: the backend's rendezvous takes ranks from MPI). Every
+test runs on CPU tensors and again with them taken for tensors on the fake GPU of
+``tests/fake_device.py`` (the ``torch_device`` fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+from helpers import assert_all_ranks, crafted, reference
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import mpitrain as mt  # noqa: E402
+import mpitrain.torch  # noqa: E402  (registers the backend)
+from mpitrain.torch.tensors import from_host  # noqa: E402
+
+R = dist.ReduceOp
+INTS = ["uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+COMPLEX = ["complex64", "complex128"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group() -> Iterator[Any]:
+    """The default process group over every rank, made as a user's script makes it."""
+    dist.init_process_group("mpitrain", timeout=datetime.timedelta(seconds=120))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _device(torch_device: str) -> None:
+    """Every test on CPU tensors, and again on the fake GPU (the path of CUDA tensors)."""
+
+
+def world() -> mt.Communicator:
+    return mt.init()
+
+
+def check(ok: Any, what: str) -> None:
+    assert_all_ranks(world(), bool(ok), what)
+
+
+def tensor(rank: int, count: int, dtype: str, op: mt.ReduceOp = mt.Sum) -> Any:
+    """The crafted values of ``tests/helpers.py`` as a tensor (exact reductions)."""
+    return from_host(crafted(rank, count, dtype, op).copy())
+
+
+def expected(count: int, dtype: str, op: mt.ReduceOp) -> Any:
+    return from_host(reference(dist.get_world_size(), count, dtype, op))
+
+
+def same(got: Any, want: Any) -> bool:
+    """Exact equality of dtype, shape and values."""
+    return got.dtype == want.dtype and got.shape == want.shape and bool(
+        torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if got.dtype == torch.bool
+        else torch.equal(got, want))
+
+
+# -- all_reduce -------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", INTS + FLOATS + COMPLEX)
+def test_all_reduce_every_dtype_and_op(dtype: str) -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    ops = [(R.SUM, mt.Sum)]
+    if "complex" not in dtype:  # (torch reduces complex tensors as real pairs: sums only)
+        ops += [(R.PRODUCT, mt.Product), (R.MIN, mt.Min), (R.MAX, mt.Max)]
+    if dtype in FLOATS + COMPLEX:
+        ops += [(R.AVG, mt.Average)]
+    for count in (1, n + 1, 1001):
+        for torch_op, op in ops:
+            t = tensor(r, count, dtype, op)
+            dist.all_reduce(t, op=torch_op)
+            check(same(t, expected(count, dtype, op)), f"all_reduce {torch_op} {dtype}[{count}]")
+    if dtype in ("float32", "float64", "bfloat16"):
+        t = tensor(r, 33, dtype)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+        check(same(t, expected(33, dtype, mt.Sum) * 2), f"PREMUL_SUM {dtype}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int32", "int64"])
+def test_bitwise_and_bool_reductions(dtype: str) -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    values = [np.arange(40, dtype=np.int64) * (3 * s + 1) % 256 for s in range(n)]
+    if dtype == "bool":
+        values = [v % 3 == 0 for v in values]
+    mine = lambda: torch.from_numpy(values[r].astype(dtype))  # noqa: E731
+    for op, fold in ((R.BAND, np.bitwise_and), (R.BOR, np.bitwise_or),
+                     (R.BXOR, np.bitwise_xor)):
+        t = mine()
+        dist.all_reduce(t, op=op)
+        want = values[0].astype(dtype)
+        for v in values[1:]:
+            want = fold(want, v.astype(dtype))
+        check(np.array_equal(t.numpy(), want), f"{op} {dtype}")
+    if dtype == "bool":
+        for op, fold in ((R.MIN, np.logical_and), (R.MAX, np.logical_or)):
+            t = mine()
+            dist.all_reduce(t, op=op)
+            want = values[0]
+            for v in values[1:]:
+                want = fold(want, v)
+            check(np.array_equal(t.numpy(), want), f"{op} bool")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_async_work_future_and_coalescing() -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    t = tensor(r, 1001, "float32")
+    work = dist.all_reduce(t, async_op=True)
+    future = work.get_future()
+    work.wait()
+    check(work.is_completed() and future.wait()[0] is t, "work and future")
+    check(same(t, expected(1001, "float32", mt.Sum)), "async all_reduce")
+    chained = dist.all_reduce(tensor(r, 5, "float64"), async_op=True).get_future().then(
+        lambda f: f.value()[0] * 2)
+    check(same(chained.wait(), expected(5, "float64", mt.Sum) * 2), "future.then")
+    tensors = [tensor(r + i, 7 + i, "float32") for i in range(4)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for x in tensors:
+            dist.all_reduce(x)
+    cm.wait()
+    for i, x in enumerate(tensors):
+        want = sum(tensor(s + i, 7 + i, "float32") for s in range(n))
+        check(same(x, want), f"coalesced #{i}")
+
+
+# -- the other collectives ----------------------------------------------------------------
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["uint8", "int64", "float16", "bfloat16", "float64",
+                                   "complex64", "bool"])
+def test_gathers_broadcasts_and_reduce(dtype: str) -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def mine(rank: int, count: int) -> Any:
+        if dtype == "bool":
+            return torch.arange(count) % (rank + 2) == 0
+        return tensor(rank, count, dtype)
+
+    root = n - 1
+    b = mine(r, 17)
+    dist.broadcast(b, src=root)
+    check(same(b, mine(root, 17)), "broadcast")
+    outs = [torch.empty_like(mine(0, 9)) for _ in range(n)]
+    dist.all_gather(outs, mine(r, 9))
+    check(all(same(o, mine(s, 9)) for s, o in enumerate(outs)), "all_gather")
+    out = torch.empty(9 * n, dtype=mine(0, 1).dtype)
+    dist.all_gather_into_tensor(out, mine(r, 9))
+    check(same(out, torch.cat([mine(s, 9) for s in range(n)])), "all_gather_into_tensor")
+    if dtype == "bool":
+        return
+    x = tensor(r, 21, dtype)
+    dist.reduce(x, dst=0)
+    check(same(x, expected(21, dtype, mt.Sum) if r == 0 else tensor(r, 21, dtype)),
+          "reduce (the others' tensors unchanged)")
+    block = torch.empty(6, dtype=x.dtype)
+    dist.reduce_scatter_tensor(block, tensor(r, 6 * n, dtype))
+    check(same(block, expected(6 * n, dtype, mt.Sum)[6 * r:6 * (r + 1)]),
+          "reduce_scatter_tensor")
+    block = torch.empty(4, dtype=x.dtype)
+    dist.reduce_scatter(block, [tensor(r + s, 4, dtype) for s in range(n)])
+    want = sum(tensor(q + r, 4, dtype) for q in range(n))
+    check(same(block, want.to(block.dtype)), "reduce_scatter of a list")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gather_scatter_all_to_all_and_uneven_splits() -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    root = n - 1
+    got = [torch.empty(3, dtype=torch.int32) for _ in range(n)] if r == root else None
+    dist.gather(torch.full((3,), r, dtype=torch.int32), got, dst=root)
+    if r == root:
+        check(all(torch.equal(g, torch.full((3,), s, dtype=torch.int32))
+                  for s, g in enumerate(got or [])), "gather")
+    else:
+        check(True, "gather")
+    piece = torch.empty(2, dtype=torch.bfloat16)
+    dist.scatter(piece, [torch.full((2,), float(s), dtype=torch.bfloat16) for s in range(n)]
+                 if r == 0 else None, src=0)
+    check(torch.equal(piece, torch.full((2,), float(r), dtype=torch.bfloat16)), "scatter")
+    outs = [torch.empty(2) for _ in range(n)]
+    dist.all_to_all(outs, [torch.full((2,), float(10 * r + s)) for s in range(n)])
+    check(all(torch.equal(o, torch.full((2,), float(10 * s + r))) for s, o in enumerate(outs)),
+          "all_to_all")
+    # uneven: rank r sends s + r + 1 rows of 3 to rank s
+    sends = [s + r + 1 for s in range(n)]
+    receives = [r + s + 1 for s in range(n)]
+    source = torch.cat([torch.full((k, 3), float(100 * r + s)) for s, k in enumerate(sends)])
+    output = torch.empty(sum(receives), 3)
+    dist.all_to_all_single(output, source, receives, sends)
+    want = torch.cat([torch.full((k, 3), float(100 * s + r)) for s, k in enumerate(receives)])
+    check(torch.equal(output, want), "all_to_all_single, uneven splits")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_point_to_point_and_objects() -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    incoming = torch.empty(5, dtype=torch.float64)
+    requests = [dist.isend(torch.full((5,), float(r), dtype=torch.float64), right, tag=3),
+                dist.irecv(incoming, left, tag=3)]
+    for req in requests:
+        req.wait()
+    check(torch.equal(incoming, torch.full((5,), float(left), dtype=torch.float64)),
+          "isend/irecv around the ring")
+    ops = [dist.P2POp(dist.isend, torch.arange(4) + r, right),
+           dist.P2POp(dist.irecv, incoming2 := torch.empty(4, dtype=torch.int64), left)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    check(torch.equal(incoming2, torch.arange(4) + left), "batch_isend_irecv")
+    objects: list[Any] = [None] * n
+    dist.all_gather_object(objects, {"rank": r, "text": "x" * r})
+    check(objects == [{"rank": s, "text": "x" * s} for s in range(n)], "all_gather_object")
+    box = [r, "r"] if r == n - 1 else [None, None]
+    dist.broadcast_object_list(box, src=n - 1)
+    check(box == [n - 1, "r"], "broadcast_object_list")
+    dist.barrier()
+
+
+# -- groups -------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_groups_and_device_meshes() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    evens = dist.new_group(list(range(0, n, 2)))
+    if r % 2 == 0:
+        t = torch.full((3,), float(r))
+        dist.all_reduce(t, group=evens)
+        check_members = torch.equal(t, torch.full((3,), float(sum(range(0, n, 2)))))
+    else:
+        check_members = dist.get_rank(evens) == -1  # not a member
+    check(check_members, "all_reduce on the even ranks")
+    mesh = init_device_mesh("cpu", (n,))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=mesh.get_group())
+    check(torch.equal(t, torch.full((2,), float(n))), "1-d mesh")
+    if n == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        t = torch.full((1,), float(r))
+        dist.all_reduce(t, group=mesh2.get_group("tp"))
+        pair = [2 * (r // 2), 2 * (r // 2) + 1]
+        check(torch.equal(t, torch.full((1,), float(sum(pair)))), "2-d mesh, tp")
+
+
+# -- misuse ------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_disagreeing_ranks_raise_on_every_rank() -> None:
+    n, r = dist.get_world_size(), dist.get_rank()
+    last = r == n - 1
+    for make in (lambda: torch.ones(5 if last else 4),                          # shape
+                 lambda: torch.ones(4, dtype=torch.float64 if last else torch.float32)):
+        try:
+            dist.all_reduce(make())
+            problem = "no error"
+        except RuntimeError as exc:
+            problem = "" if "disagree" in str(exc) or "different arguments" in str(exc) \
+                else f"not named as a disagreement: {exc}"
+        check(not problem, problem)
+    try:  # refused on one rank by its own checks: the others fail too, naming it
+        dist.all_reduce(torch.ones(3, dtype=torch.bool) if last else torch.ones(3))
+        problem = "no error"
+    except (RuntimeError, TypeError, ValueError) as exc:
+        problem = "" if last or f"rank {n - 1}" in str(exc) else f"does not name the rank: {exc}"
+    check(not problem, problem)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+
+
+# -- training -----------------------------------------------------------------------------
+BATCH, STEPS = 4, 3
+
+
+def make_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3)).double()
+
+
+def batch(step: int, rows: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(rows, 6, generator=g, dtype=torch.float64),
+            torch.randn(rows, 3, generator=g, dtype=torch.float64))
+
+
+def loss(model: Any, x: Any, y: Any) -> Any:
+    return ((model(x) - y) ** 2).mean()
+
+
+def one_process(steps: int, passes: int = 1) -> list[Any]:
+    """SGD on every rank's data at once (the mean of the ranks' mean losses)."""
+    n = dist.get_world_size()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, BATCH * n * passes)
+        loss(model, x, y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def close(got: Any, want: list[Any], tol: float) -> bool:
+    err = max(float((g.detach() - w).abs().max()) for g, w in zip(got, want))
+    return err <= tol
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("hook, passes", [("none", 1), ("fp16", 1), ("none", 2)])
+def test_ddp_equals_one_process(hook: str, passes: int) -> None:
+    """DDP (with DDP's fp16 compression hook; with no_sync accumulation over two
+    passes) against SGD on the whole batch in one process."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, BATCH * n * passes)
+        chunks = [(x[i::n * passes], y[i::n * passes])  # my rows of each pass
+                  for i in range(r, n * passes, n)]
+        for i, (xs, ys) in enumerate(chunks):
+            if i < len(chunks) - 1:
+                with ddp.no_sync():
+                    (loss(ddp, xs, ys) / passes).backward()
+            else:
+                (loss(ddp, xs, ys) / passes).backward()
+        opt.step()
+    tol = 1e-12 if hook == "none" else 5e-3
+    check(close(list(model.parameters()), one_process(STEPS, passes), tol),
+          f"DDP hook={hook} passes={passes}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_join_with_uneven_inputs() -> None:
+    """Rank r trains STEPS + r steps under DDP.join(): in each step the ranks that have
+    joined contribute zeros, and the sum is divided by the whole world size (DDP's
+    divide_by_initial_world_size): a one-process reference of exactly that."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(STEPS + r):
+            opt.zero_grad()
+            x, y = batch(step, BATCH * n)
+            loss(ddp, x[r::n], y[r::n]).backward()
+            opt.step()
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS + n - 1):
+        ref_opt.zero_grad()
+        x, y = batch(step, BATCH * n)
+        active = [q for q in range(n) if step < STEPS + q]
+        (sum(loss(ref, x[q::n], y[q::n]) for q in active) / n).backward()
+        ref_opt.step()
+    check(close(list(model.parameters()), [p.detach() for p in ref.parameters()], 1e-12),
+          "DDP.join with uneven inputs")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fsdp2_equals_one_process() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, BATCH * n)
+        loss(model, x[r::n], y[r::n]).backward()
+        opt.step()
+    full = [p.full_tensor() for p in model.parameters()]
+    check(close(full, one_process(STEPS), 1e-12), "FSDP2")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpipe_over_two_ranks_equals_the_whole_model() -> None:
+    """A two-stage GPipe schedule (torch.distributed.pipelining) over the backend's
+    point-to-point messages, on ranks 0 and 1: the output and the gradients of the
+    unsplit model."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    r = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    full = make_model()
+    x, y = batch(0, 8)
+    reference_model = copy.deepcopy(full)
+    want = reference_model(x)
+    loss(reference_model, x, y).backward()
+    if r > 1:
+        check(True, "not in the pipeline")
+        return
+    stage_module = full[:2] if r == 0 else full[2:]
+    stage = PipelineStage(stage_module, r, 2, torch.device("cpu"), group=pair)
+    schedule = ScheduleGPipe(stage, n_microbatches=4,
+                             loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    if r == 0:
+        schedule.step(x)
+        grads = [p.grad for p in full[:2].parameters()]
+        wants = [p.grad for p in reference_model[:2].parameters()]
+        ok = all(torch.allclose(g, w, atol=1e-12) for g, w in zip(grads, wants))
+    else:
+        out = schedule.step(target=y)
+        grads = [p.grad for p in full[2:].parameters()]
+        wants = [p.grad for p in reference_model[2:].parameters()]
+        ok = torch.allclose(out, want, atol=1e-12) and all(
+            torch.allclose(g, w, atol=1e-12) for g, w in zip(grads, wants))
+    check(ok, "GPipe output and gradients")
