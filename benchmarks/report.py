@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +29,10 @@ KiB, MiB = 1 << 10, 1 << 20
 Row = dict[str, Any]
 Setup = tuple[bool, int]
 """(ranks yield, rank count): a section of the report."""
+GLOO_OF = {"mpitrain": "ddp", "ddp": "ddp", "ddp-mpitrain": "ddp", "fsdp": "fsdp",
+           "fsdp-mpitrain": "fsdp"}
+"""Per implementation of the training benchmark, the gloo one its ``gloo/impl`` ratio
+is taken against: DDP for the data-parallel rows, FSDP for the sharded ones."""
 
 
 @dataclass(frozen=True)
@@ -264,22 +269,26 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                 f"x {settings['steps']} timed steps of each implementation; step = max over "
                 "ranks of each rank's median.", "",
                 "| model | parameters (tensors) | implementation | step | samples/s | "
-                "scaling | ddp/impl | rel. diff | check |", "|---|---|---|---|---|---|---|---|---|"]
-        ddp = {r["model"]: r["step_ms"] for r in run.doc["results"] if r["impl"] == "ddp"}
+                "scaling | gloo/impl | rel. diff | check |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        steps = {(r["model"], r["impl"]): r["step_ms"] for r in run.doc["results"]}
         for r in run.doc["results"]:
             one = r["impl"] == "1 rank"
-            ratio = f"{ddp[r['model']] / r['step_ms']:.2f}" if r["model"] in ddp and not one \
-                else "-"
+            gloo = steps.get((r["model"], GLOO_OF.get(r["impl"], "")))
+            ratio = f"{gloo / r['step_ms']:.2f}" if gloo and not one else "-"
+            checked = not one and r["difference"] is not None \
+                and not (isinstance(r["difference"], float) and math.isnan(r["difference"]))
             out.append(f"| {r['model']} | {r['params'] / 1e6:.2f} M ({r['tensors']}) | "
                        f"{r['impl']} | {human_time(r['step_ms'] * 1e3)} | "
                        f"{r['samples_per_s']:.1f} | {r['scaling']:.2f} | {ratio} | "
-                       f"{'-' if one else format(r['difference'], '.1e')} | "
-                       f"{'-' if one else ('OK' if r['ok'] else 'FAILED')} |")
+                       f"{format(r['difference'], '.1e') if checked else '-'} | "
+                       f"{('OK' if r['ok'] else 'FAILED') if checked else '-'} |")
         bounds = scaling_bounds(run.doc)
         if bounds:
-            out += ["", "Highest `ddp/impl` any implementation could reach, with communication "
-                    "that costs nothing (its step then equals the one-rank step, times ranks / "
-                    "cores where there are more ranks than cores): " + ", ".join(
+            out += ["", "Highest `gloo/impl` of DDP any implementation could reach, with "
+                    "communication that costs nothing (its step then equals the one-rank "
+                    "step, times ranks / cores where there are more ranks than cores): "
+                    + ", ".join(
                         f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
         out.append("")
     return out

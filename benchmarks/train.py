@@ -1,45 +1,56 @@
-"""The ``train`` case: whole training steps with ``mpitrain.torch`` against torch DDP.
+"""The ``train`` case: whole training steps with mpitrain against torch DDP and FSDP.
 
-``python -m benchmarks train [--model mlp,convnet] [--batch 32] [--steps 10] [--rounds 3]
-[--device cpu|cuda]``
+``python -m benchmarks train [--model mlp,convnet] [--impl mpitrain,ddp,ddp-mpitrain]
+[--batch 32] [--steps 10] [--rounds 3] [--device cpu|cuda]``
 
-One job trains the same torch model three ways, from the same initial parameters
+One job trains the same torch model several ways, from the same initial parameters
 (seeded, then broadcast from rank 0) and on the same synthetic batches (a different
-batch per rank and step, generated outside the timed region):
+batch per rank and step, generated outside the timed region). ``--impl`` picks them:
 
 * ``mpitrain``: ``hvd.DistributedOptimizer`` around SGD with momentum
   (``import mpitrain.torch as hvd``), ``hvd.broadcast_parameters`` first;
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over torch.distributed's
   gloo backend, started inside the same MPI job (rank 0 picks the TCP port and
   broadcasts it with mpi4py, :mod:`.gloo`);
+* ``ddp-mpitrain``: the same DDP over a process group of mpitrain's torch.distributed
+  backend (``dist.new_group(backend="mpitrain")``);
+* ``fsdp`` and ``fsdp-mpitrain``: FSDP2 (``fully_shard`` of every layer with
+  parameters, then of the model) over a ``DeviceMesh`` of the gloo group or of the
+  mpitrain group, SGD on the sharded parameters;
 * ``1 rank``: plain SGD on rank 0 alone, the baseline of the scaling efficiency; the
   other ranks wait in an ``Ibarrier`` that they poll with 1 ms sleeps, so they leave
   the cores to rank 0.
 
+The default is ``mpitrain,ddp,ddp-mpitrain``. With ``--fp16`` gradients travel as
+float16: ``hvd.Compression.fp16``, DDP's ``fp16_compress_hook``, FSDP's
+``MixedPrecisionPolicy(reduce_dtype=torch.float16)``.
+
 With ``--device cuda`` every rank trains on GPU ``local_rank % count`` (ranks of a node
-share its GPUs) and there is no DDP: NCCL refuses two ranks on one GPU, and DDP over
-gloo copies every gradient through the host. mpitrain's result is checked against a
+share its GPUs) and nothing runs over gloo: NCCL refuses two ranks on one GPU, and gloo
+copies every gradient through the host. The trainings are checked against a
 one-process reference instead (below); ``--against reference`` asks for that check on
 the CPU too.
 
 After ``--warmup`` untimed steps of each, ``--rounds`` rounds run ``--steps`` timed steps
-of each implementation in turn (``1 rank`` first, then mpitrain and DDP, their order
-swapped every round). A step is ``zero_grad``, forward, loss, backward and
-``step()``, timed on its own with ``time.perf_counter`` (on a GPU, until the device has
-finished it); the step time reported is the maximum over ranks of each rank's median.
+of each implementation in turn (``1 rank`` first, then the others, their order rotated
+by one every round). A step is ``zero_grad``, forward, loss, backward and ``step()``,
+timed on its own with ``time.perf_counter`` (on a GPU, until the device has finished
+it); the step time reported is the maximum over ranks of each rank's median.
 ``samples/s`` is ``ranks * batch / step``; the scaling efficiency is the one-rank step
 time over the step time (the per-rank batch is fixed: weak scaling), 1.0 for perfect
-scaling.
+scaling; ``gloo/impl`` is the step time of the gloo implementation of the same kind
+(DDP for ``mpitrain`` and the ``ddp`` rows, FSDP for the ``fsdp`` rows) over the row's.
 
-Verification: mpitrain and DDP took the same steps on the same data, so their
-parameters must agree at the end. The measure is the norm of their difference over
-the norm of DDP's total update (:func:`update_difference`), max over ranks, against a
-tolerance that depends on the compression. A larger difference, or no update at all,
-is a failure: the row says ``FAILED`` and the job exits with 1. With ``--against
-reference`` (the default on CUDA) the other side is a one-process reference that every
-rank trains after the timed rounds, untimed, on its own device: the same number of
-steps, each on the mean of every rank's loss on its batch of that step (the same
-batches), which is what averaging the ranks' gradients computes.
+Verification: every implementation took the same steps on the same data, so their
+parameters must agree at the end. The measure is the norm of the difference from the
+baseline over the norm of the baseline's total update (:func:`update_difference`), max
+over ranks, against a tolerance that depends on the compression. The baseline is DDP
+over gloo (``--against ddp``, the default when ``ddp`` runs on the CPU) or a
+one-process reference that every rank trains after the timed rounds, untimed, on its
+own device (``--against reference``): the same number of steps, each on the mean of
+every rank's loss on its batch of that step (the same batches), which is what
+averaging the ranks' gradients computes. A larger difference, or no update at all, is
+a failure: the row says ``FAILED`` and the job exits with 1.
 
 Both models use SiLU, not ReLU: with ReLU's kink, the last-bit differences that a
 different summation order leaves in an average (DDP and mpitrain add the ranks'
@@ -72,9 +83,13 @@ import mpitrain.torch as hvd
 
 from . import gloo
 from .common import OneRankParser, command_line, machine_info
+from .report import GLOO_OF
 
 MODELS = ("mlp", "convnet")
-IMPLS = ("1 rank", "mpitrain", "ddp")
+IMPLS = ("mpitrain", "ddp", "ddp-mpitrain", "fsdp", "fsdp-mpitrain")
+"""The data-parallel implementations ``--impl`` can pick (``1 rank`` always runs)."""
+DEFAULT_IMPLS = ("mpitrain", "ddp", "ddp-mpitrain")
+OVER_GLOO = ("ddp", "fsdp")
 TOLERANCE = {"none": 1e-4, "fp16": 2e-2}
 """Largest accepted :func:`update_difference` per compression (on a GPU the float32
 tolerance is :data:`GPU_TOLERANCE`: cuDNN convolutions compute in TF32 by default, and
@@ -111,6 +126,7 @@ class TrainOptions:
     perturb: float = 0.0
     device: str = "cpu"
     against: str = "ddp"
+    parallel: tuple[str, ...] = DEFAULT_IMPLS
 
     @property
     def compression(self) -> str:
@@ -124,24 +140,47 @@ class TrainOptions:
 
     @property
     def impls(self) -> tuple[str, ...]:
-        """The implementations timed: no DDP when checking against the reference."""
-        return IMPLS if self.against == "ddp" else ("1 rank", "mpitrain")
+        """The implementations timed, ``1 rank`` first."""
+        return ("1 rank", *self.parallel)
+
+    @property
+    def baseline(self) -> str | None:
+        """The implementation the others are checked against (``None``: the reference)."""
+        return "ddp" if self.against == "ddp" else None
+
+    @property
+    def over_gloo(self) -> bool:
+        """True if an implementation needs torch.distributed's gloo backend."""
+        return any(impl in OVER_GLOO for impl in self.parallel)
+
+    @property
+    def over_backend(self) -> bool:
+        """True if an implementation needs mpitrain's torch.distributed backend."""
+        return any(impl.endswith("-mpitrain") for impl in self.parallel)
 
 
 def _models(text: str) -> list[str]:
     return list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
 
 
+def _impls(text: str) -> list[str]:
+    return [i for i in _models(text) if i != "1 rank"]
+
+
 def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     """Parse and check the command line of ``python -m benchmarks train``."""
     p = OneRankParser(quiet, prog="python -m benchmarks train",
                       description="Time and verify whole training steps: mpitrain.torch's "
-                                  "DistributedOptimizer against torch DDP (gloo), and one "
-                                  "rank alone. Run under mpirun.")
+                                  "DistributedOptimizer, DDP and FSDP over gloo and over "
+                                  "mpitrain's torch.distributed backend, and one rank "
+                                  "alone. Run under mpirun.")
     p.add_argument("--model", type=_models, default=list(MODELS),
                    help="comma list of models: mlp (4 Linear 1920x1920, 14.7 M parameters "
                         "in 8 tensors), convnet (13 conv + GroupNorm layers, 1.55 M "
                         "parameters in 41 tensors); default both")
+    p.add_argument("--impl", type=_impls, default=None,
+                   help="comma list of implementations: " + ", ".join(IMPLS)
+                        + " (default " + ",".join(DEFAULT_IMPLS) + "; on CUDA mpitrain)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
     p.add_argument("--steps", type=int, default=10,
                    help="timed steps per implementation and round (default 10)")
@@ -150,8 +189,8 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     p.add_argument("-w", "--warmup", type=int, default=2,
                    help="untimed steps of each implementation first (default 2)")
     p.add_argument("--fp16", action="store_true",
-                   help="compress gradients to float16: hvd.Compression.fp16 and DDP's "
-                        "fp16_compress_hook")
+                   help="compress gradients to float16: hvd.Compression.fp16, DDP's "
+                        "fp16_compress_hook, FSDP's float16 reduce_dtype")
     p.add_argument("--small", action="store_true",
                    help="small versions of the models (a quick check of the whole path)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
@@ -160,10 +199,10 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where every rank trains: cpu (default), or cuda (GPU local_rank %% "
-                        "count; no DDP, checked against a one-process reference)")
+                        "count; nothing over gloo, checked against a one-process reference)")
     p.add_argument("--against", choices=AGAINST, default=None,
-                   help="what mpitrain's parameters are checked against: ddp (default on "
-                        "the CPU) or reference (a one-process training; the only one on CUDA)")
+                   help="what the parameters are checked against: ddp (DDP over gloo, the "
+                        "default when it runs) or reference (a one-process training)")
     # Scales mpitrain's loss on the last rank by 1 + F: the check must then fail.
     p.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -173,12 +212,23 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     if a.batch < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0:
         p.error(f"need --batch, --steps, --rounds >= 1 and --warmup >= 0, got --batch "
                 f"{a.batch} --steps {a.steps} --rounds {a.rounds} --warmup {a.warmup}")
-    against = a.against or ("reference" if a.device == "cuda" else "ddp")
-    if a.device == "cuda" and against == "ddp":
-        p.error("--device cuda runs no DDP (NCCL refuses ranks that share a GPU); use "
+    parallel = a.impl if a.impl is not None else \
+        (["mpitrain"] if a.device == "cuda" else list(DEFAULT_IMPLS))
+    bad = [i for i in parallel if i not in IMPLS]
+    if bad or not parallel:
+        p.error(f"--impl takes a comma list of {', '.join(IMPLS)}, got {','.join(parallel)}")
+    gloo_impls = [i for i in parallel if i in OVER_GLOO]
+    if a.device == "cuda" and gloo_impls:
+        p.error(f"--device cuda runs nothing over gloo (it copies every gradient through "
+                f"the host, and NCCL refuses ranks that share a GPU); drop "
+                f"{','.join(gloo_impls)} from --impl")
+    against = a.against or ("ddp" if "ddp" in parallel else "reference")
+    if against == "ddp" and "ddp" not in parallel:
+        p.error("--against ddp checks against DDP over gloo: add ddp to --impl, or use "
                 "--against reference")
     return TrainOptions(a.model, a.batch, a.steps, a.rounds, a.warmup, a.fp16, a.small, a.lr,
-                        a.momentum, a.seed, a.json, a.perturb, a.device, against)
+                        a.momentum, a.seed, a.json, a.perturb, a.device, against,
+                        tuple(parallel))
 
 
 # -- models and data ------------------------------------------------------------------
@@ -217,7 +267,7 @@ def make_batch(name: str, small: bool, batch: int, seed: int, rank: int,
             torch.randint(0, CONV_CLASSES, (batch,), generator=gen))
 
 
-# -- the three trainers ---------------------------------------------------------------
+# -- the trainers ---------------------------------------------------------------------
 class Trainer:
     """One implementation's model and optimizer; :meth:`step` is one timed step (on a
     GPU it returns once the device has finished it)."""
@@ -279,33 +329,101 @@ def sgd(model: nn.Module, opts: TrainOptions) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
 
 
-def mpitrain_trainer(model: nn.Module, opts: TrainOptions, last_rank: bool) -> Trainer:
+def mpitrain_trainer(model: nn.Module, opts: TrainOptions, loss_scale: float = 1.0) -> Trainer:
     """``hvd.DistributedOptimizer`` over SGD, after ``hvd.broadcast_parameters``."""
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = hvd.Compression.fp16 if opts.fp16 else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(sgd(model, opts),
                                          named_parameters=model.named_parameters(),
                                          compression=compression)
-    return Trainer(model, optimizer, 1.0 + opts.perturb if last_rank else 1.0)
+    return Trainer(model, optimizer, loss_scale)
 
 
-def ddp_trainer(model: nn.Module, opts: TrainOptions) -> Trainer:
-    """``DistributedDataParallel`` (gloo) with SGD on the wrapped model's parameters."""
+def ddp_trainer(model: nn.Module, opts: TrainOptions, group: Any,
+                loss_scale: float = 1.0) -> Trainer:
+    """``DistributedDataParallel`` over ``group`` with SGD on the wrapped model's
+    parameters."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, process_group=group)
     if opts.fp16:
         ddp.register_comm_hook(state=None, hook=fp16_compress_hook)
-    return Trainer(ddp, sgd(ddp, opts))
+    return Trainer(ddp, sgd(ddp, opts), loss_scale)
+
+
+def fsdp_trainer(model: nn.Module, opts: TrainOptions, group: Any,
+                 loss_scale: float = 1.0) -> Trainer:
+    """FSDP2 over ``group``: ``fully_shard`` of every layer that holds parameters, then of
+    the model, and SGD on the sharded parameters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = next(model.parameters()).device
+    mesh = DeviceMesh.from_group(group, device.type)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float16 if opts.fp16 else None)
+    for layer in model.children():
+        if any(True for _ in layer.parameters(recurse=False)):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return Trainer(model, sgd(model, opts), loss_scale)
+
+
+def full_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, whole (collective for a sharded model: it gathers them)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for p in model.parameters()]
+
+
+def trainers(opts: TrainOptions, fresh: Callable[[], nn.Module], last_rank: bool,
+             groups: dict[str, Any]) -> dict[str, Trainer]:
+    """A trainer of every implementation but ``1 rank`` on a fresh copy of the model;
+    ``groups`` holds the process groups (``gloo``, ``mpitrain``). Every one but the
+    baseline scales the last rank's loss by ``1 + perturb``."""
+    out = {}
+    for impl in opts.parallel:
+        scale = 1.0 + opts.perturb if last_rank and impl != opts.baseline else 1.0
+        if impl == "mpitrain":
+            out[impl] = mpitrain_trainer(fresh(), opts, scale)
+        else:
+            kind, _, backend = impl.partition("-")
+            make = ddp_trainer if kind == "ddp" else fsdp_trainer
+            out[impl] = make(fresh(), opts, groups[backend or "gloo"], scale)
+    return out
+
+
+IMPL_TEXT = {"1 rank": "plain SGD on rank 0 alone", "mpitrain": "hvd.DistributedOptimizer",
+             "ddp": "DDP over gloo", "ddp-mpitrain": "DDP over mpitrain's backend",
+             "fsdp": "FSDP2 over gloo", "fsdp-mpitrain": "FSDP2 over mpitrain's backend"}
+
+
+def process_groups(opts: TrainOptions, world: MPI.Intracomm) -> dict[str, Any]:
+    """The torch.distributed groups the implementations need (collective): ``gloo`` (the
+    default group, :func:`.gloo.init`) and ``mpitrain`` (a group of mpitrain's backend:
+    a new group beside gloo's, or the default group when gloo does not run)."""
+    groups: dict[str, Any] = {}
+    if opts.over_gloo:
+        groups["gloo"] = gloo.init(world).group.WORLD
+    if opts.over_backend:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            groups["mpitrain"] = dist.new_group(backend="mpitrain")
+        else:
+            dist.init_process_group("mpitrain", init_method="mpitrain://")
+            groups["mpitrain"] = dist.group.WORLD
+    return groups
 
 
 # -- timing ---------------------------------------------------------------------------
-def block_order(round_index: int) -> list[str]:
+def block_order(impls: Sequence[str], round_index: int) -> list[str]:
     """The implementations of one round, in the order they run: ``1 rank`` first, then
-    mpitrain and ddp, swapped every other round."""
-    pair = ["mpitrain", "ddp"] if round_index % 2 == 0 else ["ddp", "mpitrain"]
-    return ["1 rank", *pair]
+    the others of ``impls``, rotated by one every round."""
+    rest = [impl for impl in impls if impl != "1 rank"]
+    shift = round_index % len(rest) if rest else 0
+    return ["1 rank", *rest[shift:], *rest[:shift]]
 
 
 def timed_steps(trainer: Trainer, steps: int,
@@ -380,7 +498,8 @@ class TrainResult:
     ok: bool
 
 
-def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainResult]:
+def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
+            groups: dict[str, Any]) -> list[TrainResult]:
     """Train ``name`` with every implementation, interleaved; time and verify
     (collective over ``world``; every rank returns the same rows)."""
     rank, nranks = world.Get_rank(), world.Get_size()
@@ -392,12 +511,10 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainRe
     def fresh() -> nn.Module:
         return copy.deepcopy(initial).to(device)
 
-    trainers = {"mpitrain": mpitrain_trainer(fresh(), opts, rank == nranks - 1)}
-    if opts.against == "ddp":
-        trainers["ddp"] = ddp_trainer(fresh(), opts)
+    trained = trainers(opts, fresh, rank == nranks - 1, groups)
     if rank == 0:
         alone = fresh()
-        trainers["1 rank"] = Trainer(alone, sgd(alone, opts))
+        trained["1 rank"] = Trainer(alone, sgd(alone, opts))
 
     def batch_on(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = make_batch(name, opts.small, opts.batch, opts.seed, r, step)
@@ -409,26 +526,23 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainRe
     times: dict[str, list[float]] = {impl: [] for impl in opts.impls}
     for round_index in range(-1 if opts.warmup else 0, opts.rounds):
         steps = opts.warmup if round_index < 0 else opts.steps
-        for impl in block_order(max(round_index, 0)):
-            if impl not in opts.impls:
-                continue
+        for impl in block_order(opts.impls, max(round_index, 0)):
             if impl == "1 rank":  # rank 0 alone, the others asleep
-                done = timed_steps(trainers[impl], steps, batch_of) if rank == 0 else []
+                done = timed_steps(trained[impl], steps, batch_of) if rank == 0 else []
                 idle_barrier(world)
             else:
                 world.Barrier()
-                done = timed_steps(trainers[impl], steps, batch_of)
+                done = timed_steps(trained[impl], steps, batch_of)
             if round_index >= 0:
                 times[impl] += done
-    ours = [p.detach() for p in trainers["mpitrain"].model.parameters()]
-    if opts.against == "ddp":
-        theirs = [p.detach() for p in trainers["ddp"].model.parameters()]
+    ends = {impl: full_parameters(trained[impl].model) for impl in opts.parallel}
+    if opts.baseline is not None:
+        theirs = ends[opts.baseline]
     else:
-        theirs = reference_parameters(fresh(), opts, trainers["mpitrain"].steps_done, batch_on,
-                                      nranks)
-    differences = world.allgather(update_difference(ours, theirs, start))
-    difference = math.nan if any(math.isnan(d) for d in differences) else max(differences)
-    ok = matches(difference, opts.tolerance)
+        theirs = reference_parameters(fresh(), opts, trained[opts.parallel[0]].steps_done,
+                                      batch_on, nranks)
+    mine = [update_difference(ends[impl], theirs, start) for impl in opts.parallel]
+    differences = np.array(world.allgather(mine), dtype=float)  # ranks x implementations
     # median, min, max per implementation; the 1-rank times are rank 0's (0 elsewhere)
     stats = np.array([[statistics.median(t), min(t), max(t)] if t else [0.0, 0.0, 0.0]
                       for t in times.values()])
@@ -438,65 +552,68 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm) -> list[TrainRe
     one_rank_s = stats[0][0]
     rows = []
     for impl, (median, fastest, longest) in zip(times, stats):
-        one = impl == "1 rank"
-        ranks = 1 if one else nranks
+        alone, checked = impl == "1 rank", impl not in ("1 rank", opts.baseline)
+        column = differences[:, opts.parallel.index(impl)] if checked else np.zeros(1)
+        difference = math.nan if np.isnan(column).any() else float(column.max())
+        ranks = 1 if alone else nranks
         rows.append(TrainResult(name, count, tensors, opts.batch, ranks,
-                                "-" if one else opts.compression, impl,
+                                "-" if alone else opts.compression, impl,
                                 median * 1e3, fastest * 1e3, longest * 1e3,
                                 samples_per_second(opts.batch, ranks, median),
                                 scaling_efficiency(one_rank_s, median),
-                                opts.steps * opts.rounds, math.nan if one else difference,
-                                True if one else ok))
+                                opts.steps * opts.rounds, difference if checked else math.nan,
+                                matches(difference, opts.tolerance) if checked else True))
     return rows
 
 
 # -- the table ------------------------------------------------------------------------
-HEADER = ("#{:>8} {:>9} {:>7} {:>7} {:>5} {:>8} {:>9} | {:>9} {:>9} {:>9} {:>10} {:>7} "
-          "{:>8} | {:>9} {:>6}")
+HEADER = ("#{:>8} {:>9} {:>7} {:>7} {:>5} {:>8} {:>13} | {:>9} {:>9} {:>9} {:>10} {:>7} "
+          "{:>9} | {:>9} {:>6}")
 
 
 def table_header() -> list[str]:
     """The column titles and units."""
     return [HEADER.format("model", "params", "tensors", "batch", "ranks", "compress", "impl",
-                          "step", "min", "max", "samples/s", "scaling", "ddp/impl",
+                          "step", "min", "max", "samples/s", "scaling", "gloo/impl",
                           "rel.diff", "check"),
             HEADER.format("", "", "", "(/rank)", "", "", "", "(ms)", "(ms)", "(ms)", "", "",
                           "", "", "")]
 
 
 def table_rows(rows: Sequence[TrainResult]) -> list[str]:
-    """The lines of one model: one per implementation; ``ddp/impl`` is DDP's step time
-    over this row's (above 1: faster than DDP); ``rel.diff`` is
-    :func:`update_difference` of mpitrain against DDP."""
-    ddp = next((r for r in rows if r.impl == "ddp"), None)
+    """The lines of one model: one per implementation; ``gloo/impl`` is the step time of
+    the gloo implementation of the row's kind (:data:`GLOO_OF`) over the row's (above 1:
+    faster than gloo); ``rel.diff`` is :func:`update_difference` against the baseline
+    (``N/A`` on the one-rank row and on the baseline's own)."""
+    steps = {r.impl: r.step_ms for r in rows}
     lines = []
     for r in rows:
-        one = r.impl == "1 rank"
+        gloo_ms = steps.get(GLOO_OF.get(r.impl, ""))
+        checked = not math.isnan(r.difference) or not r.ok
         lines.append(HEADER.format(
             r.model, r.params, r.tensors, r.batch, r.ranks, r.compression, r.impl,
             f"{r.step_ms:.2f}", f"{r.step_min_ms:.2f}", f"{r.step_max_ms:.2f}",
             f"{r.samples_per_s:.1f}", f"{r.scaling:.2f}",
-            f"{ddp.step_ms / r.step_ms:.2f}" if ddp and not one else "N/A",
-            "N/A" if one else f"{r.difference:.2e}",
-            "-" if one else ("OK" if r.ok else "FAILED")).replace("#", " ", 1))
+            f"{gloo_ms / r.step_ms:.2f}" if gloo_ms else "N/A",
+            f"{r.difference:.2e}" if checked else "N/A",
+            ("OK" if r.ok else "FAILED") if checked else "-").replace("#", " ", 1))
     return lines
 
 
 def verification_lines(results: Sequence[TrainResult], tolerance: float,
                        against: str = "ddp") -> list[str]:
-    """The closing lines: per model the verification (against ``ddp`` or the one-process
-    ``reference``), then the count of failures."""
+    """The closing lines: per model and checked implementation the verification
+    (against ``ddp`` or the one-process ``reference``), then the count of failures."""
     lines = []
     failed = 0
     for r in results:
-        if r.impl != "mpitrain":
+        if r.impl in ("1 rank", against):
             continue
         failed += not r.ok
-        lines.append(f"# Verification {r.model:>8} : |mpitrain - {against}| / |{against} "
-                     f"update| = "
-                     f"{r.difference:.2e} after {r.steps} timed steps (tolerance "
-                     f"{tolerance:g}): {'OK' if r.ok else 'FAILED'}")
-    lines.append(f"# Mismatched models : {failed} {'OK' if failed == 0 else 'FAILED'}")
+        lines.append(f"# Verification {r.model:>8} {r.impl:>13} : |{r.impl} - {against}| / "
+                     f"|{against} update| = {r.difference:.2e} after {r.steps} timed steps "
+                     f"(tolerance {tolerance:g}): {'OK' if r.ok else 'FAILED'}")
+    lines.append(f"# Mismatched trainings : {failed} {'OK' if failed == 0 else 'FAILED'}")
     return lines
 
 
@@ -518,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(args, quiet=rank != 0)
     torch.set_num_threads(1)
     hvd.init()
-    dist = gloo.init(world) if opts.against == "ddp" else None
+    groups = process_groups(opts, world)
     command = command_line(["train", *args], nranks)
     machine = {**machine_info(world), "torch": torch.__version__}
 
@@ -537,21 +654,18 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"# training  : SGD lr {opts.lr:g} momentum {opts.momentum:g}, cross-entropy on "
           f"synthetic data, seed {opts.seed}; gradients {opts.compression}",
           f"# device    : {describe_device(opts)}",
-          "# impls     : mpitrain = hvd.DistributedOptimizer; "
-          + (f"ddp = DistributedDataParallel (gloo, torch {torch.__version__}); "
-             if opts.against == "ddp" else "")
-          + "1 rank = plain SGD on rank 0 alone; checked against "
-          + ("DDP" if opts.against == "ddp" else "a one-process reference on every rank's "
-             "batches"),
+          "# impls     : " + "; ".join(f"{impl} = {IMPL_TEXT[impl]}" for impl in opts.impls)
+          + f" (torch {torch.__version__}); checked against "
+          + ("DDP over gloo" if opts.against == "ddp" else "a one-process reference on every "
+             "rank's batches"),
           f"# timing    : {opts.warmup} warm-up + {opts.rounds} rounds x {opts.steps} steps "
-          "of each, blocks interleaved ("
-          + ("1 rank, mpitrain, ddp; the last two swapped every round"
-             if opts.against == "ddp" else "1 rank, mpitrain")
-          + "); step = max over ranks of each rank's median; scaling = 1-rank step / step",
+          f"of each, blocks interleaved ({', '.join(opts.impls)}; all but 1 rank rotated "
+          "every round); step = max over ranks of each rank's median; scaling = 1-rank step "
+          "/ step",
           "#", *table_header()])
     results: list[TrainResult] = []
     for name in opts.models:
-        rows = measure(opts, name, world)
+        rows = measure(opts, name, world, groups)
         results += rows
         emit(table_rows(rows))
     emit(verification_lines(results, opts.tolerance, opts.against))
@@ -564,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "min/max likewise; 1 rank = rank 0 alone",
                        "results": [asdict(r) for r in results]}, f, indent=1)
             f.write("\n")
-    if dist is not None:
+    if groups:
         gloo.finish()
     hvd.shutdown()
     world.Free()

@@ -2,8 +2,12 @@
 
 :class:`GradientReducer` is the framework-neutral core of both
 :class:`mpitrain.trainer.DistributedOptimizer` (numpy/cupy) and
-:class:`mpitrain.torch.DistributedOptimizer`. A framework plugs in through a
-:class:`GradientBridge` (how to get, view and store a parameter's gradient).
+:class:`mpitrain.torch.DistributedOptimizer`. It decides *when* (counting backward
+passes, batching final groups, waiting in ``synchronize()``); a framework plugs in
+through one :class:`GradientBridge`, which decides *what*: its ``start`` reads a
+group's gradients and starts their reduction (usually :meth:`Reduction.allreduce`:
+compress, view, submit), its ``store`` writes each result back. One gradient crosses
+the seam twice: out in ``start``, back in ``store``.
 
 Life of one step, per parameter ``p``:
 
@@ -59,20 +63,16 @@ P_contra = TypeVar("P_contra", contravariant=True)
 
 
 class GradientBridge(Protocol[P_contra]):
-    """How the reducer reads, views and stores one framework's gradients."""
+    """How the reducer reaches one framework's gradients."""
 
-    def grad(self, param: P_contra) -> Any:
-        """``param``'s gradient, set to zeros first if it has none."""
+    def start(self, reduction: Reduction, name: str, params: Sequence[P_contra]) -> Submitted:
+        """Read the gradients of ``params`` (zeros where one has none) and start their
+        reduction, named ``name``; usually :meth:`Reduction.allreduce`."""
 
-    def buffer(self, value: Any) -> Any:
-        """A zero-copy array view of ``value`` that the comm layer accepts."""
-
-    def stream(self, value: Any) -> Any:
-        """The stream whose work produces a device ``value`` (``None``: the current one)."""
-
-    def assign(self, param: P_contra, value: Any) -> None:
-        """Store ``value`` as ``param``'s gradient, converted to the gradient's dtype
-        (no-op when it already is the gradient)."""
+    def store(self, param: P_contra, value: Any) -> None:
+        """Store ``value`` (what :attr:`Submitted.collect` returned for ``param``) as
+        ``param``'s result, converted to the gradient's dtype (no-op when it already is
+        the gradient)."""
 
     def nbytes(self, param: P_contra) -> int:
         """The size of ``param``'s gradient in bytes (that of ``param``)."""
@@ -80,12 +80,50 @@ class GradientBridge(Protocol[P_contra]):
 
 @dataclass
 class Submitted:
-    """A group's allreduce in flight."""
+    """A group's reduction in flight."""
 
     params: list[Any]
-    ctxs: list[Any]
     handles: list[Any]
-    collect: Callable[[], list[Any]]  # waits; returns the reduced (compressed) values
+    collect: Callable[[], list[Any]]  # waits; returns the value to store per parameter
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What every gradient of a reducer goes through: the communicator, the op, the
+    compression and Horovod's scaling (``prescale`` before the sum, ``postscale``
+    after it)."""
+
+    comm: Communicator
+    op: ReduceOp
+    compression: Any
+    prescale: float
+    postscale: float
+
+    def allreduce(self, name: str, params: list[Any], values: list[Any],
+                  view: Callable[[Any], Any], stream: Callable[[Any], Any]) -> Submitted:
+        """Compress ``values`` (one per parameter of ``params``) and start their
+        in-place allreduce: ``allreduce_async_`` of one, ``grouped_allreduce_async_`` of
+        several. ``view(value)`` is the array the comm layer gets, ``stream(value)`` the
+        device stream producing it (``None``: the current one). The collected values are
+        decompressed, except a built-in cast back, which is left to the bridge's
+        converting ``store`` (:attr:`~mpitrain.parallel.compression.Compressor.casts`)."""
+        packed = [self.compression.compress(v) for v in values]
+        sent = [c for c, _ in packed]
+        buffers = [view(c) for c in sent]
+        if len(buffers) == 1:
+            handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
+                                                self.postscale, stream=stream(sent[0]))
+        else:
+            handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
+                                                        self.postscale, stream=stream(sent[0]))
+        folds = bool(getattr(self.compression, "casts", False))
+
+        def collect() -> list[Any]:
+            handle.wait()  # in place: the sent values hold the sums
+            if folds:
+                return sent
+            return [self.compression.decompress(c, ctx) for c, ctx in packed]
+        return Submitted(list(params), [handle], collect)
 
 
 def build_groups(params: Sequence[P], groups: Any) -> list[list[P]]:
@@ -159,7 +197,8 @@ class GradientReducer(Generic[P]):
     Args:
         named_params: ``(name, parameter)`` pairs; names must be unique and the same on
             every rank (they name the allreduces, so ranks may submit in any order).
-        bridge: how to reach the gradients of these parameters.
+        bridge: how to reach the gradients of these parameters (reads them and starts
+            their reduction, stores the results).
         comm: the communicator (default: that of :func:`mpitrain.init`).
         compression: a compressor (``Compression.none``, ``.fp16``, ``.bf16``).
         op: ``Average`` (default) or ``Sum`` (or ``Min``/``Max``/``Product``).
@@ -200,11 +239,9 @@ class GradientReducer(Generic[P]):
         self._waiting: list[int] = []  # final groups not submitted yet
         self._waiting_bytes = 0
         self.bridge = bridge
-        self.compression = compression
-        self._folds = bool(getattr(compression, "casts", False))
+        self.reduction = Reduction(self.comm, self.op, compression,
+                                   1.0 / gradient_predivide_factor, gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
-        self.prescale = 1.0 / gradient_predivide_factor
-        self.postscale = gradient_predivide_factor
         self.params: list[P] = [p for _, p in named_params]
         self._names = {id(p): name for name, p in named_params}
         self.groups = build_groups(self.params, groups)
@@ -249,10 +286,8 @@ class GradientReducer(Generic[P]):
             # Wait for every group, even after a failure, so that no name stays in flight.
             for sub in self._submitted.values():
                 try:
-                    for p, value, ctx in zip(sub.params, sub.collect(), sub.ctxs):
-                        # a cast back is folded into the copy that stores the value
-                        self.bridge.assign(p, value if self._folds else
-                                           self.compression.decompress(value, ctx))
+                    for p, value in zip(sub.params, sub.collect()):
+                        self.bridge.store(p, value)
                 except Exception as exc:
                     error = error or exc
             self._reset()
@@ -293,26 +328,8 @@ class GradientReducer(Generic[P]):
 
     def _submit(self, g: int) -> None:
         group = self.groups[g]
-        self._submitted[g] = self.submit(group, [self.bridge.grad(p) for p in group])
-
-    def submit(self, group: list[P], grads: list[Any]) -> Submitted:
-        """Compress ``grads`` and start their allreduce (overridable per framework)."""
-        packed = [self.compression.compress(v) for v in grads]
-        sent = [c for c, _ in packed]
-        buffers = [self.bridge.buffer(c) for c in sent]
-        stream = self.bridge.stream(sent[0])
-        name = f"grad.{self._group_name(group)}"
-        if len(group) == 1:
-            handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
-                                                self.postscale, stream=stream)
-        else:
-            handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
-                                                        self.postscale, stream=stream)
-
-        def collect() -> list[Any]:
-            handle.wait()  # in place: the sent values hold the sums
-            return sent
-        return Submitted(list(group), [ctx for _, ctx in packed], [handle], collect)
+        self._submitted[g] = self.bridge.start(self.reduction, f"grad.{self._group_name(group)}",
+                                               group)
 
 
 class DistributedOptimizerBase:

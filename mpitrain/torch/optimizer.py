@@ -17,14 +17,14 @@ which starts the in-place allreduce of ``p.grad`` at once (after
 node, no core to spare beyond ``torch.get_num_threads()``: see
 :func:`~mpitrain.parallel.reducer.grad_batch_bytes`, ``MPITRAIN_GRAD_BATCH_BYTES``),
 final gradients wait until 8 MiB of them are ready and start together. With
-``op=Adasum`` (:class:`AdasumReducer`) the hook steps the parameter's group locally
-instead and starts the Adasum of its change.
+``op=Adasum`` the hook steps the parameter's group locally
+instead and starts the Adasum of its change (:class:`AdasumBridge`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from ..errors import ArgumentError, UnsupportedError
 from ..ops import ReduceOp, parse_op
 from ..parallel.broadcast import broadcast_arrays, broadcast_tree
 from ..parallel.compression import Compression
-from ..parallel.reducer import DistributedOptimizerBase, GradientReducer, Submitted
+from ..parallel.reducer import DistributedOptimizerBase, GradientReducer, Reduction, Submitted
 from .checkpoint import TENSORS
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
 from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
@@ -40,10 +40,27 @@ from .tensors import as_buffer, host_copy, producer_stream, to_device_of
 
 
 class TensorBridge:
-    """Gradients are ``p.grad`` tensors; sparse ones may be densified."""
+    """Gradients are ``p.grad`` tensors: dense ones are allreduced (sparse ones densified
+    first with ``sparse_as_dense``), sparse ones allgathered as in Horovod
+    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`)."""
 
     def __init__(self, sparse_as_dense: bool) -> None:
         self.sparse_as_dense = sparse_as_dense
+
+    def start(self, reduction: Reduction, name: str, params: Sequence[torch.Tensor]) -> Submitted:
+        """Start the reduction of the gradients of ``params``."""
+        grads = [self.grad(p) for p in params]
+        if not any(g.is_sparse for g in grads):
+            return reduction.allreduce(name, list(params), grads, as_buffer, producer_stream)
+        if len(params) > 1:
+            raise ArgumentError("sparse gradients cannot be in a group; pass "
+                                "sparse_as_dense=True or leave them out of groups")
+        if reduction.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ArgumentError(f"sparse gradients support op=Sum/Average, not "
+                                f"{reduction.op!r}; pass sparse_as_dense=True for other ops")
+        prepared = prepare_sparse_allreduce(grads[0], reduction.op, reduction.comm.rank)
+        handles, finish = start_sparse_allreduce(reduction.comm, prepared, name)
+        return Submitted(list(params), handles, lambda: [finish()])
 
     def grad(self, param: torch.Tensor) -> torch.Tensor:
         """``p.grad`` (zeros if missing), as a dense contiguous tensor where required."""
@@ -54,19 +71,11 @@ class TensorBridge:
             return g.to_dense() if self.sparse_as_dense else g
         return g if g.is_contiguous() else g.contiguous()
 
-    def buffer(self, value: torch.Tensor) -> Any:
-        """A zero-copy view for the comm layer."""
-        return as_buffer(value)
-
-    def stream(self, value: torch.Tensor) -> Any:
-        """The stream whose work produces a device gradient."""
-        return producer_stream(value)
-
     def nbytes(self, param: torch.Tensor) -> int:
         """``param``'s size in bytes (its gradient's)."""
         return param.numel() * param.element_size()
 
-    def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
+    def store(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Store the averaged gradient in ``p.grad``, as ``p``'s dtype (in place when
         layouts agree: one converting copy)."""
         g = param.grad
@@ -78,66 +87,45 @@ class TensorBridge:
             g.copy_(value)
 
 
-class TensorReducer(GradientReducer[torch.Tensor]):
-    """The reducer with Horovod's sparse path: a sparse gradient is allgathered
-    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`)."""
+class AdasumBridge:
+    """Horovod's Adasum optimizer: when a group's gradients are final, the wrapped
+    optimizer steps those parameters only, on this rank; what the step changed (the
+    delta) is what the ranks combine with Adasum. Not averaged, not scaled by the rank
+    count: Adasum itself weighs the ranks' steps. Storing the combined delta sets the
+    parameter to its value before the step plus that delta."""
 
-    def submit(self, group: list[torch.Tensor], grads: list[Any]) -> Submitted:
-        """Allgather sparse gradients (indices and values); allreduce dense ones."""
-        if not any(g.is_sparse for g in grads):
-            return super().submit(group, grads)
-        if len(group) > 1:
-            raise ArgumentError("sparse gradients cannot be in a group; pass "
-                                "sparse_as_dense=True or leave them out of groups")
-        if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ArgumentError(f"sparse gradients support op=Sum/Average, not {self.op!r}; "
-                                "pass sparse_as_dense=True for other ops")
-        prepared = prepare_sparse_allreduce(grads[0], self.op, self.comm.rank)
-        handles, finish = start_sparse_allreduce(self.comm, prepared,
-                                                 f"grad.{self._names[id(group[0])]}")
-        return Submitted(list(group), [None], handles, lambda: [finish()])
-
-
-class DeltaBridge(TensorBridge):
-    """Adasum's optimizer reduces each parameter's *delta* (its local step): storing the
-    combined delta sets the parameter to its value before the step plus that delta."""
-
-    def __init__(self) -> None:
-        super().__init__(sparse_as_dense=False)
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
         self.starts: dict[int, torch.Tensor] = {}
 
-    def assign(self, param: torch.Tensor, value: torch.Tensor) -> None:
+    def start(self, reduction: Reduction, name: str, params: Sequence[torch.Tensor]) -> Submitted:
+        """Step ``params`` locally, leave their deltas in them, start the Adasum."""
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            raise ArgumentError("op=Adasum needs dense gradients; pass sparse_as_dense=True")
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            for p in params:
+                self.starts[id(p)] = p.detach().clone()
+            self._step_only(params)
+            for p in params:
+                p.sub_(self.starts[id(p)])
+        # mpitrain reduces Adasum on the host: a device delta goes as a host copy
+        return reduction.allreduce(name, list(params), [host_copy(p.detach()) for p in params],
+                                   as_buffer, producer_stream)
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        """``param``'s size in bytes (its delta's)."""
+        return param.numel() * param.element_size()
+
+    def store(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """``param = start + value`` (``value`` may be a host copy of a device delta)."""
         start = self.starts.pop(id(param))
         with torch.no_grad():
             param.copy_(start.add_(to_device_of(start, value)))
 
-
-class AdasumReducer(TensorReducer):
-    """Horovod's Adasum optimizer: when a group's gradients are final, the wrapped
-    optimizer steps those parameters only, on this rank; what the step changed (the
-    delta) is what the ranks combine with Adasum. Not averaged, not scaled by the rank
-    count: Adasum itself weighs the ranks' steps."""
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]], bridge: DeltaBridge,
-                 optimizer: Any, **options: Any) -> None:
-        super().__init__(named, bridge, **options)
-        self.optimizer, self.deltas = optimizer, bridge
-
-    def submit(self, group: list[torch.Tensor], grads: list[Any]) -> Submitted:
-        """Step ``group`` locally, leave its delta in the parameters, start the Adasum."""
-        if any(g.is_sparse for g in grads):
-            raise ArgumentError("op=Adasum needs dense gradients; pass sparse_as_dense=True")
-        with torch.no_grad():
-            for p in group:
-                self.deltas.starts[id(p)] = p.detach().clone()
-            self._step_only(group)
-            for p in group:
-                p.sub_(self.deltas.starts[id(p)])
-        # mpitrain reduces Adasum on the host: a device delta goes as a host copy
-        return super().submit(group, [host_copy(p.detach()) for p in group])
-
-    def _step_only(self, params: list[torch.Tensor]) -> None:
+    def _step_only(self, params: Sequence[torch.Tensor]) -> None:
         """``optimizer.step()`` on ``params`` alone (the other parameters are hidden)."""
         keep = {id(p) for p in params}
         groups = self.optimizer.param_groups
@@ -196,7 +184,8 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                              gradient_predivide_factor=gradient_predivide_factor,
                              groups=groups)
         self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
-        self._bridge = DeltaBridge() if self._adasum else TensorBridge(sparse_as_dense)
+        self._bridge: TensorBridge | AdasumBridge = \
+            AdasumBridge(optimizer) if self._adasum else TensorBridge(sparse_as_dense)
         self._hooked: set[int] = set()
         self._build()
 
@@ -241,12 +230,8 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         comm = communicator(self._process_set)  # the global set's changes in a reset
         host = all(p.device.type == "cpu" for _, p in updated)
         threads = torch.get_num_threads()
-        if isinstance(self._bridge, DeltaBridge):
-            self.reducer = AdasumReducer(updated, self._bridge, self.optimizer, comm=comm,
-                                         host=host, compute_threads=threads, **self._options)
-        else:
-            self.reducer = TensorReducer(updated, self._bridge, comm=comm, host=host,
-                                         compute_threads=threads, **self._options)
+        self.reducer = GradientReducer(updated, self._bridge, comm=comm, host=host,
+                                       compute_threads=threads, **self._options)
         me = weakref.ref(self)
         for _, p in updated:
             if id(p) not in self._hooked:

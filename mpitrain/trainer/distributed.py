@@ -6,7 +6,7 @@ See :mod:`mpitrain.trainer.optimizers` for the protocol and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -15,31 +15,26 @@ from ..communicator import Communicator
 from ..errors import UnsupportedError
 from ..ops import ReduceOp, parse_op
 from ..parallel.compression import Compression
-from ..parallel.reducer import DistributedOptimizerBase, GradientReducer
+from ..parallel.reducer import DistributedOptimizerBase, GradientReducer, Reduction, Submitted
 
 
 class ArrayBridge:
-    """Gradients are arrays in ``param.grad`` (numpy or cupy)."""
+    """Gradients are arrays in ``param.grad`` (numpy or cupy), reduced as they are."""
 
-    def grad(self, param: Any) -> Any:
-        """``param.grad``, created as zeros of ``param.data``'s shape when missing."""
-        if param.grad is None:
-            param.grad = np.zeros_like(param.data)  # cupy arrays: cupy zeros (__array_function__)
-        return param.grad
-
-    def buffer(self, value: Any) -> Any:
-        """Arrays go to the comm layer as they are."""
-        return value
-
-    def stream(self, value: Any) -> Any:
-        """The current stream (device arrays are produced on it)."""
-        return None
+    def start(self, reduction: Reduction, name: str, params: Sequence[Any]) -> Submitted:
+        """Allreduce each ``param.grad`` (created as zeros of ``param.data``'s shape when
+        missing; device arrays are produced on the current stream)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = np.zeros_like(p.data)  # cupy arrays: cupy zeros (__array_function__)
+        return reduction.allreduce(name, list(params), [p.grad for p in params],
+                                   view=lambda value: value, stream=lambda value: None)
 
     def nbytes(self, param: Any) -> int:
         """``param.data``'s size in bytes (its gradient's)."""
         return int(param.data.nbytes)
 
-    def assign(self, param: Any, value: Any) -> None:
+    def store(self, param: Any, value: Any) -> None:
         """Copy ``value`` into ``param.grad`` (keeping the array, converting to its dtype)
         unless it is that array."""
         grad = param.grad

@@ -56,10 +56,16 @@ def test_update_difference_flags_no_update_and_non_finite_values() -> None:
     assert train.matches(1e-6, 1e-4) and not train.matches(2e-4, 1e-4)
 
 
-def test_rounds_alternate_mpitrain_and_ddp_after_the_one_rank_block() -> None:
-    assert train.block_order(0) == ["1 rank", "mpitrain", "ddp"]
-    assert train.block_order(1) == ["1 rank", "ddp", "mpitrain"]
-    assert train.block_order(2) == train.block_order(0)
+def test_rounds_rotate_the_implementations_after_the_one_rank_block() -> None:
+    two = ("1 rank", "mpitrain", "ddp")
+    assert train.block_order(two, 0) == ["1 rank", "mpitrain", "ddp"]
+    assert train.block_order(two, 1) == ["1 rank", "ddp", "mpitrain"]
+    assert train.block_order(two, 2) == train.block_order(two, 0)
+    three = ("1 rank", "a", "b", "c")
+    orders = [train.block_order(three, r) for r in range(3)]
+    assert [o[1:] for o in orders] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(o[0] == "1 rank" for o in orders)
+    assert train.block_order(("1 rank", "mpitrain"), 5) == ["1 rank", "mpitrain"]
 
 
 def test_throughput_and_weak_scaling() -> None:
@@ -73,25 +79,36 @@ def _row(impl: str, step_ms: float, ok: bool = True) -> train.TrainResult:
                              math.nan if impl == "1 rank" else 1e-6, ok)
 
 
-def test_table_shows_ratio_against_ddp_and_the_check() -> None:
-    rows = [_row("1 rank", 5.0), _row("mpitrain", 8.0), _row("ddp", 10.0)]
+def test_table_shows_ratio_against_gloo_of_the_same_kind_and_the_check() -> None:
+    rows = [_row("1 rank", 5.0), _row("mpitrain", 8.0), _row("ddp", 10.0),
+            _row("ddp-mpitrain", 4.0), _row("fsdp", 30.0), _row("fsdp-mpitrain", 20.0, ok=False)]
+    rows[2] = train.TrainResult(*[math.nan if f == "difference" else getattr(rows[2], f)
+                                  for f in train.TrainResult.__dataclass_fields__])
     lines = train.table_rows(rows)
-    assert len(lines) == 3 and all(len(line) == len(lines[0]) for line in lines)
+    assert len(lines) == 6 and all(len(line) == len(lines[0]) for line in lines)
     assert "N/A" in lines[0] and lines[0].rstrip().endswith("-")
     assert " 1.25 " in lines[1] and lines[1].rstrip().endswith("OK")
-    assert " 1.00 " in lines[2]
+    assert " 1.00 " in lines[2] and lines[2].split()[-2:] == ["N/A", "-"]  # the baseline
+    assert " 2.50 " in lines[3]  # DDP over gloo 10 ms over 4 ms
+    assert " 1.50 " in lines[5] and lines[5].rstrip().endswith("FAILED")  # FSDP 30 over 20
     assert len(train.table_header()[0]) == len(lines[0])
 
 
-def test_verification_lines_count_failures() -> None:
-    good = train.verification_lines([_row("mpitrain", 1.0), _row("ddp", 1.0)], 1e-4)
-    assert good[-1] == "# Mismatched models : 0 OK"
-    bad = train.verification_lines([_row("mpitrain", 1.0, ok=False)], 1e-4)
-    assert bad[-1] == "# Mismatched models : 1 FAILED" and "FAILED" in bad[0]
+def test_verification_lines_count_failures_of_every_checked_implementation() -> None:
+    good = train.verification_lines([_row("mpitrain", 1.0), _row("ddp", 1.0),
+                                     _row("ddp-mpitrain", 1.0)], 1e-4)
+    assert good[-1] == "# Mismatched trainings : 0 OK" and len(good) == 3  # not the baseline
+    assert "|ddp-mpitrain - ddp|" in good[1]
+    bad = train.verification_lines([_row("mpitrain", 1.0, ok=False), _row("1 rank", 1.0),
+                                    _row("fsdp-mpitrain", 1.0, ok=False)], 1e-4, "reference")
+    assert bad[-1] == "# Mismatched trainings : 2 FAILED" and "FAILED" in bad[0]
+    assert "|fsdp-mpitrain - reference|" in bad[1]
 
 
 @pytest.mark.parametrize("extra", [["--model", "resnet"], ["--steps", "0"], ["--batch", "0"],
-                                   ["--rounds", "0"], ["--warmup", "-1"]])
+                                   ["--rounds", "0"], ["--warmup", "-1"], ["--impl", "horovod"],
+                                   ["--impl", "mpitrain", "--against", "ddp"],
+                                   ["--device", "cuda", "--impl", "mpitrain,fsdp"]])
 def test_bad_options_exit_with_usage(extra: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         train.parse_args(extra, quiet=True)
@@ -136,11 +153,19 @@ def test_the_report_bounds_ddp_over_impl_by_the_one_rank_step() -> None:
     assert report.scaling_bounds({**doc(2), "results": doc(2)["results"][1:]}) == {}
 
 
-def test_device_and_reference_options() -> None:
+def test_device_implementation_and_reference_options() -> None:
     cpu = train.parse_args(["--small"], quiet=True)
-    assert (cpu.device, cpu.against, cpu.impls) == ("cpu", "ddp", train.IMPLS)
+    assert (cpu.device, cpu.against, cpu.impls) == ("cpu", "ddp",
+                                                    ("1 rank", *train.DEFAULT_IMPLS))
+    assert cpu.baseline == "ddp" and cpu.over_gloo and cpu.over_backend
     cuda = train.parse_args(["--device", "cuda"], quiet=True)
     assert (cuda.against, cuda.impls) == ("reference", ("1 rank", "mpitrain"))
+    assert cuda.baseline is None and not cuda.over_gloo and not cuda.over_backend
+    ours = train.parse_args(["--device", "cuda", "--impl", "ddp-mpitrain,fsdp-mpitrain"],
+                            quiet=True)
+    assert ours.impls == ("1 rank", "ddp-mpitrain", "fsdp-mpitrain") and ours.over_backend
+    picked = train.parse_args(["--impl", "fsdp,fsdp-mpitrain"], quiet=True)
+    assert (picked.against, picked.over_gloo) == ("reference", True)
     assert cuda.tolerance == train.GPU_TOLERANCE["none"] > cpu.tolerance
     with pytest.raises(SystemExit):
         train.parse_args(["--device", "cuda", "--against", "ddp"], quiet=True)
@@ -162,3 +187,23 @@ def test_reference_averages_every_ranks_gradient() -> None:
     got = train.reference_parameters(model, opts, 1, lambda r, s: batches[r, s], 3)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-6)
+
+
+def test_the_report_table_takes_each_ratio_against_gloo_of_the_same_kind() -> None:
+    from benchmarks import report
+
+    steps = [("1 rank", 10.0), ("mpitrain", 8.0), ("ddp", 12.0), ("ddp-mpitrain", 6.0),
+             ("fsdp", 40.0), ("fsdp-mpitrain", 20.0)]
+    doc = {"machine": {"ranks": 2, "cpus": 2, "idle_wait": "busy-poll"}, "command": "c",
+           "settings": {"compression": "none", "batch": 32, "rounds": 3, "steps": 10},
+           "results": [{"model": "mlp", "impl": i, "step_ms": t, "params": 1e6, "tensors": 4,
+                        "samples_per_s": 1.0, "scaling": 1.0,
+                        "difference": math.nan if i in ("1 rank", "ddp") else 1e-6,
+                        "ok": True} for i, t in steps]}
+    lines = report.train_tables([report.Run("train", 2, "", "train-np2.json", doc)])
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in lines
+            if line.startswith("| mlp ")}
+    assert rows["ddp-mpitrain"][6] == "2.00" and rows["mpitrain"][6] == "1.50"
+    assert rows["fsdp-mpitrain"][6] == "2.00" and rows["fsdp"][6] == "1.00"
+    assert rows["ddp"][7:] == ["-", "- |"] and rows["1 rank"][6] == "-"
+    assert rows["fsdp"][7:] == ["1.0e-06", "OK |"]
