@@ -59,8 +59,8 @@ def agreed(exchange: Callable[[Any], list[Any]], rank: int, what: str,
         ``prepare``'s value and every rank's part, in rank order.
 
     Raises:
-        the error ``prepare`` raised, on its rank; ``MismatchError`` naming that rank and
-        its error on the others.
+        Exception: the error ``prepare`` raised, on the rank where it was raised.
+        MismatchError: on every other rank, naming that rank and its error.
     """
     failure: Exception | None = None
     try:
