@@ -89,7 +89,8 @@ demo: $(VENV)/.compiled
 	$(RUN) -np 4 $(PY) examples/train.py
 
 # make bench: every collective at 2 and 4 ranks, 4 B..256 MiB, mpitrain (auto and each
-# algorithm) vs native MPI vs gloo; allreduce also in place, against native with tuned
+# algorithm, into a preallocated out= and as the plain call that allocates its result)
+# vs native MPI vs gloo; allreduce also in place, against native with tuned
 # malloc thresholds, and at small sizes with and without validation; training steps
 # against torch DDP (python -m benchmarks train, float32 and fp16 gradients). Where the
 # ranks fit the cores (2 ranks here) the runs are plain `mpirun -np N`: one rank per
