@@ -16,6 +16,10 @@ PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 # StallError on the ranks that wait (the next test gets a new communicator), and a test
 # that runs 300 s fails (pytest-timeout), so that one hang costs one test.
 MPI_TEST_LIMITS := -x MPITRAIN_STALL_TIMEOUT_S=120
+# The tests marked many_ranks (in the files that name the mark) also run at 6, 7 and 8
+# ranks, oversubscribed: butterflies that fold in more than one pair (6, 7) and have
+# three levels (8), Adasum at 8, emulated nodes of 3 and 4 ranks, rendezvous sends.
+MANY_RANKS := 6 7 8
 
 # Fault injection (also part of `integration`): the bad-input and one-sided catalogue
 # (blocking, async and torch; 2-4 ranks), uncaught exceptions and exits on one rank,
@@ -53,6 +57,12 @@ test-mpi: $(VENV)/.compiled
 	  $(RUN) -np $$n $(MPI_TEST_LIMITS) sh tests/mpi_rank.sh $(PYTEST) --timeout=300 \
 	    --with-mpi tests/mpi || exit 1; \
 	done
+	files=$$(grep -l many_ranks tests/mpi/test_*.py); \
+	for n in $(MANY_RANKS); do \
+	  echo "== MPI suite, tests marked many_ranks, at $$n ranks"; \
+	  $(RUN) -np $$n $(MPI_TEST_LIMITS) sh tests/mpi_rank.sh $(PYTEST) --timeout=300 \
+	    --with-mpi -m many_ranks $$files || exit 1; \
+	done
 
 integration: $(VENV)/.compiled
 	timeout 900 $(PYTEST) tests/integration
@@ -79,7 +89,8 @@ demo: $(VENV)/.compiled
 	$(RUN) -np 4 $(PY) examples/train.py
 
 # make bench: every collective at 2 and 4 ranks, 4 B..256 MiB, mpitrain (auto and each
-# algorithm) vs native MPI vs gloo; allreduce also in place, against native with tuned
+# algorithm, into a preallocated out= and as the plain call that allocates its result)
+# vs native MPI vs gloo; allreduce also in place, against native with tuned
 # malloc thresholds, and at small sizes with and without validation; training steps
 # against torch DDP (python -m benchmarks train, float32 and fp16 gradients). Where the
 # ranks fit the cores (2 ranks here) the runs are plain `mpirun -np N`: one rank per

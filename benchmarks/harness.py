@@ -24,10 +24,15 @@ in nccl-tests. The header gives the machine's memory-copy bandwidth ``B`` and th
 bandwidth bound of an algorithm that reads the other ranks' buffers directly
 (``B / direct_traffic * bus factor``), so the distance to the hardware is visible.
 Baselines: ``mpi`` (the MPI library's own collective) and ``gloo``
-(torch.distributed, :mod:`.gloo`); ``--check on,off`` adds mpitrain columns without
-cross-rank validation, and the summary prints the per-call cost of the Python layer
-at the smallest size (mpitrain minus native) and of validation (on minus off). Rank 0
-prints the table; the process exits with 1 if any element was wrong.
+(torch.distributed, :mod:`.gloo`). mpitrain's out-of-place calls are handed a
+preallocated ``out=``, as MPI's are; ``--outputs given,alloc`` (the default) adds the
+``[alloc]`` columns: the plain call (``comm.allreduce(x)``), which allocates its result
+and pays the first touch of its pages, as a user's call does. ``--check on,off`` adds
+mpitrain columns without cross-rank validation. The summary prints the per-call cost
+of the Python layer at the smallest size (mpitrain minus native), of validation (on
+minus off) and of allocating the result at the smallest and the largest size (alloc
+minus given). Rank 0 prints the table; the process exits with 1 if any element was
+wrong.
 """
 
 from __future__ import annotations
@@ -72,18 +77,23 @@ from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Call, Case, Collective, mpi_dat
 IMPLS = ("mpitrain", "mpi", "gloo")
 BASELINES = ("mpi", "gloo")
 CHECKS = {"on": True, "off": False}
+OUTPUTS = {"given": False, "alloc": True}
+"""``--outputs``: mpitrain's out-of-place result in a preallocated ``out=``, or allocated
+by the call (the ``[alloc]`` columns)."""
 
 
 # -- options --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Impl:
-    """One implementation column: mpitrain with one algorithm (validating or not), or a
-    baseline (MPI's own call, gloo)."""
+    """One implementation column: mpitrain with one algorithm (validating or not, its
+    out-of-place result preallocated or allocated by the call), or a baseline (MPI's
+    own call, gloo)."""
 
     label: str
     kind: str
     algorithm: str
     check: bool = True
+    allocates: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,13 +126,14 @@ def _comma_list(text: str) -> list[str]:
 
 
 def make_impls(names: Sequence[str], algorithms: Sequence[str],
-               checks: Sequence[bool] = (True,)) -> list[Impl]:
-    """Expand ``--impl`` by ``--algorithm`` and ``--check``: one ``mpitrain`` column per
-    algorithm and validation setting.
+               checks: Sequence[bool] = (True,),
+               allocations: Sequence[bool] = (False,)) -> list[Impl]:
+    """Expand ``--impl`` by ``--algorithm``, ``--check`` and ``--outputs``: one
+    ``mpitrain`` column per algorithm, validation setting and output.
 
     A single ``auto`` algorithm keeps the plain label ``mpitrain``; otherwise each
     column is labelled ``mpitrain:<algorithm>``; columns without validation end in
-    ``[nocheck]``.
+    ``[nocheck]``, those of the plain call that allocates its result in ``[alloc]``.
     """
     impls = []
     for name in names:
@@ -130,10 +141,12 @@ def make_impls(names: Sequence[str], algorithms: Sequence[str],
             impls.append(Impl(name, name, name))
             continue
         for check in checks:
-            for algorithm in algorithms:
-                label = "mpitrain" if list(algorithms) == ["auto"] else f"mpitrain:{algorithm}"
-                impls.append(Impl(label + ("" if check else "[nocheck]"), "mpitrain",
-                                  algorithm, check))
+            for allocates in allocations:
+                for algorithm in algorithms:
+                    label = "mpitrain" if list(algorithms) == ["auto"] \
+                        else f"mpitrain:{algorithm}"
+                    label += ("" if check else "[nocheck]") + ("[alloc]" if allocates else "")
+                    impls.append(Impl(label, "mpitrain", algorithm, check, allocates))
     return impls
 
 
@@ -167,6 +180,11 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--check", type=_comma_list, default=["on"],
                    help="comma list of mpitrain's cross-rank validation settings, one set of "
                         "columns each: on, off (default on)")
+    p.add_argument("--outputs", type=_comma_list, default=["given", "alloc"],
+                   help="comma list of how mpitrain's out-of-place calls get their result, "
+                        "one set of columns each: given (a preallocated out=, as MPI's calls "
+                        "get), alloc (the plain call, which allocates its result: columns "
+                        "[alloc]); default given,alloc")
     p.add_argument("--algorithm", type=_comma_list, default=["auto"],
                    help="comma list of mpitrain algorithms, one column each (default auto)")
     p.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
@@ -208,6 +226,8 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
         parser.error("--impl gloo needs torch: pip install torch==2.13.0")
     if not a.check or any(c not in CHECKS for c in a.check):
         parser.error(f"--check takes a comma list of on, off; got {','.join(a.check)}")
+    if not a.outputs or any(o not in OUTPUTS for o in a.outputs):
+        parser.error(f"--outputs takes a comma list of given, alloc; got {','.join(a.outputs)}")
     offered = ("auto",) + ALGORITHMS[collective.name]
     bad = [name for name in a.algorithm if name not in offered]
     if bad or not a.algorithm:
@@ -226,7 +246,8 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
         parser.error("--plot needs matplotlib: pip install matplotlib")
     return Options(collective=collective, sizes=sizes, iters=a.iters, warmup=a.warmup_iters,
                    dtype=dtype, op=op, root=a.root if collective.rooted else NO_ROOT,
-                   impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check]),
+                   impls=make_impls(a.impl, a.algorithm, [CHECKS[c] for c in a.check],
+                                    [OUTPUTS[o] for o in a.outputs]),
                    algorithms=a.algorithm,
                    inplace=a.inplace, json=a.json, plot=a.plot, budget=a.budget,
                    array=a.array)
@@ -278,7 +299,7 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
             if impl.kind == "mpitrain" or (placement.is_device and impl.kind == "mpi"):
                 ours = comm if impl.check else unchecked
                 assert ours is not None, "a [nocheck] column needs a communicator without checks"
-                call = coll.mpitrain(ours, impl.algorithm, case, data, inplace)
+                call = coll.mpitrain(ours, impl.algorithm, case, data, inplace, impl.allocates)
             elif impl.kind == "gloo":
                 call = coll.gloo(dist, case, data, inplace)
             else:
@@ -402,7 +423,9 @@ class Table:
 
 def overhead_lines(results: Sequence[Result]) -> list[str]:
     """The per-call cost of mpitrain's Python layer and of its validation, at the
-    smallest size: ``mpitrain - mpi`` and ``mpitrain - mpitrain[nocheck]``."""
+    smallest size (``mpitrain - mpi`` and ``mpitrain - mpitrain[nocheck]``), and of
+    allocating the result at the smallest and the largest size
+    (``mpitrain[alloc] - mpitrain``)."""
     if not results:
         return []
     smallest = min(r.size for r in results)
@@ -416,6 +439,15 @@ def overhead_lines(results: Sequence[Result]) -> list[str]:
         lines.append(f"# Validation at {smallest} B   : "
                      f"{times['mpitrain'] - times['mpitrain[nocheck]']:+.2f} us per call "
                      f"(on {times['mpitrain']:.2f} us, off {times['mpitrain[nocheck]']:.2f} us)")
+    allocation = []
+    for size in sorted({smallest, max(r.size for r in results)}):
+        at = {r.impl: r.time_us for r in results if r.size == size and not r.inplace}
+        if "mpitrain" in at and "mpitrain[alloc]" in at:
+            allocation.append(f"{at['mpitrain[alloc]'] - at['mpitrain']:+.2f} us at {size} B "
+                              f"({at['mpitrain[alloc]']:.2f} us, given out= "
+                              f"{at['mpitrain']:.2f} us)")
+    if allocation:
+        lines.append(f"# Allocating the result : {'; '.join(allocation)} per call")
     return lines
 
 
@@ -503,6 +535,8 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
         "settings": {"sizes": opts.sizes, "iters": opts.iters, "warmup": opts.warmup,
                      "dtype": str(opts.dtype), "op": opts.op, "root": opts.root,
                      "impls": labels, "algorithms": opts.algorithms,
+                     "outputs": sorted({"alloc" if i.allocates else "given"
+                                        for i in opts.impls if i.kind == "mpitrain"}),
                      "inplace": opts.inplace, "budget_s": opts.budget},
         "timing": "time_us = max over ranks of each rank's median of the timed runs; "
                   "time_min_us/time_max_us = max over ranks of each rank's min/max",

@@ -77,7 +77,7 @@ class Call:
     reset: Callable[[], None]
 
 
-PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool], Optional[Call]]
+PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool, bool], Optional[Call]]
 PrepareMpi = Callable[[MPI.Intracomm, Case, Array, bool], Optional[Call]]
 PrepareGloo = Callable[[Any, Case, Array, bool], Optional[Call]]
 
@@ -95,8 +95,11 @@ class Collective:
         bus_factor: ``nranks -> busbw / algbw``, as in nccl-tests.
         make_input: this rank's crafted input (a flat array; read only).
         expected: this rank's exact result (a flat array).
-        mpitrain: ``(comm, algorithm, case, data, inplace) -> Call``; ``None`` when
-            mpitrain has no such variant (the table prints ``N/A``).
+        mpitrain: ``(comm, algorithm, case, data, inplace, allocates) -> Call``;
+            ``allocates``: the plain out-of-place call, which allocates its result
+            (``comm.allreduce(x)``), else one handed a preallocated ``out=``, as MPI's
+            calls are; ``None`` when mpitrain has no such variant (the table prints
+            ``N/A``).
         mpi: ``(comm, case, data, inplace) -> Call`` with mpi4py's own collectives.
         gloo: ``(torch.distributed, case, data, inplace) -> Call`` with the gloo backend
             (:mod:`benchmarks.gloo`); ``None`` where gloo has no such call.

@@ -1,11 +1,19 @@
 """Small-message latency: mpitrain's blocking allreduce and barrier against native MPI.
 
 ``mpirun -np 2 python -m benchmarks.latency`` times, per size, ``comm.allreduce(x)``,
-``comm.allreduce_(x)`` and mpi4py's ``MPI.COMM_WORLD.Allreduce`` into a preallocated
+``comm.allreduce_(y)`` and mpi4py's ``MPI.COMM_WORLD.Allreduce`` into a preallocated
 output, then ``comm.barrier()`` and ``MPI.COMM_WORLD.Barrier()``, interleaved (A B A B
 ...: one block of ``--iters`` calls of each in turn, ``--blocks`` times), so that a
 disturbance of a shared machine hits every variant alike. It prints the median time
 per call over the blocks and its ratio to the native call (rank 0's clock).
+
+Every allreduce is checked: the inputs are the crafted values of the collective
+benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
+timed) each variant is reset: the in-place call gets one freshly crafted buffer per
+call of the block (reducing the same buffer again would sum sums), the others a
+poisoned output. After the block every result of it is compared with the exact sum;
+``#wrong`` is the number of wrong elements over every block and rank, and the process
+exits with 1 if any was wrong.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,10 +30,15 @@ from mpi4py import MPI
 
 import mpitrain as mt
 
+from .hooks import crafted, poison, reduced
+
+DTYPE = np.dtype(np.float32)
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (``--help`` lists it)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4,4096,16384",
                    help="message sizes in bytes of float32 (comma-separated)")
     p.add_argument("--blocks", type=int, default=200, help="blocks per variant")
@@ -32,47 +46,113 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def interleaved(cases: dict[str, Callable[[], Any]], blocks: int,
-                iters: int) -> dict[str, float]:
-    """Median microseconds per call of each case, blocks of ``iters`` calls in turn."""
+@dataclass
+class Case:
+    """One timed variant: ``call`` is timed ``iters`` times in a row after ``reset``;
+    ``wrong`` then counts the wrong elements of what those calls produced."""
+
+    call: Callable[[int], Any]
+    reset: Callable[[], None]
+    wrong: Callable[[], int]
+
+
+def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
+                    iters: int) -> dict[str, Case]:
+    """The three allreduce variants of one size, each checked against the exact sum."""
+    count = max(nbytes // DTYPE.itemsize, 1)
+    x = crafted(world.rank, 0, count, DTYPE, "sum")
+    want = reduced(world.size, 0, count, DTYPE, "sum")
+    size = f"{x.nbytes} B"
+
+    def wrong(arrays: Sequence[np.ndarray[Any, Any]]) -> int:
+        return sum(int(np.count_nonzero(a != want)) for a in arrays) + \
+            int(np.count_nonzero(x != crafted(world.rank, 0, count, DTYPE, "sum")))
+
+    results: list[Any] = [None] * iters  # what each call of the block returned
+
+    def plain(i: int) -> None:
+        results[i] = comm.allreduce(x)
+
+    def forget() -> None:
+        results[:] = [None] * iters
+
+    buffers = [np.empty_like(x) for _ in range(iters)]  # one per call: no sum of sums
+
+    def in_place(i: int) -> None:
+        comm.allreduce_(buffers[i])
+
+    def reset_buffers() -> None:
+        for b in buffers:
+            np.copyto(b, x)
+
+    z = np.empty_like(x)
+    return {
+        f"mpitrain allreduce {size}": Case(plain, forget, lambda: wrong(results)),
+        f"mpitrain allreduce_ {size}": Case(in_place, reset_buffers, lambda: wrong(buffers)),
+        f"MPI Allreduce {size}": Case(lambda i: world.Allreduce(x, z), lambda: poison(z),
+                                      lambda: wrong([z])),
+    }
+
+
+def barrier_cases(comm: mt.Communicator, world: MPI.Intracomm) -> dict[str, Case]:
+    """The two barriers (nothing to check)."""
+    return {"mpitrain barrier": Case(lambda i: comm.barrier(), no_op, lambda: 0),
+            "MPI Barrier": Case(lambda i: world.Barrier(), no_op, lambda: 0)}
+
+
+def no_op() -> None:
+    """The reset of a call that produces nothing."""
+
+
+def interleaved(cases: dict[str, Case], blocks: int, iters: int) -> tuple[dict[str, float],
+                                                                          dict[str, int]]:
+    """Median microseconds per call of each case, blocks of ``iters`` calls in turn, and
+    the wrong elements each case produced over every block (this rank's)."""
     times: dict[str, list[float]] = {k: [] for k in cases}
-    for f in cases.values():  # warm-up: plans, caches, connections
-        for _ in range(100):
-            f()
+    wrong = dict.fromkeys(cases, 0)
+    for case in cases.values():  # warm-up: plans, caches, connections
+        for _ in range(-(-100 // iters)):
+            case.reset()
+            for i in range(iters):
+                case.call(i)
     clock = time.perf_counter_ns
     for _ in range(blocks):
-        for name, f in cases.items():
+        for name, case in cases.items():
+            case.reset()
             start = clock()
-            for _ in range(iters):
-                f()
+            for i in range(iters):
+                case.call(i)
             times[name].append((clock() - start) / iters / 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+            wrong[name] += case.wrong()
+    return {k: statistics.median(v) for k, v in times.items()}, wrong
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; rank 0 prints one line per variant (``name us ratio``)."""
+    """Run the benchmark; rank 0 prints one line per variant (``name us ratio #wrong``).
+
+    Returns:
+        0 if every result was right, else 1 (on every rank).
+    """
     args = parse_args(argv)
     comm = mt.init()
     world = MPI.COMM_WORLD
-    groups: list[dict[str, Callable[[], Any]]] = []
-    for nbytes in (int(s) for s in args.sizes.split(",")):
-        x = np.ones(max(nbytes // 4, 1), np.float32)
-        y, z = np.zeros_like(x), np.empty_like(x)
-        groups.append({
-            f"mpitrain allreduce {x.nbytes} B": lambda x=x: comm.allreduce(x),
-            f"mpitrain allreduce_ {x.nbytes} B": lambda y=y: comm.allreduce_(y),
-            f"MPI Allreduce {x.nbytes} B": lambda x=x, z=z: world.Allreduce(x, z),
-        })
-    groups.append({"mpitrain barrier": comm.barrier, "MPI Barrier": world.Barrier})
+    groups = [allreduce_cases(comm, world, int(s), args.iters) for s in args.sizes.split(",")]
+    groups.append(barrier_cases(comm, world))
     if world.rank == 0:
-        print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls")
+        print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls; "
+              "every allreduce result checked")
+    total_wrong = 0
     for cases in groups:
-        medians = interleaved(cases, args.blocks, args.iters)
+        medians, wrong = interleaved(cases, args.blocks, args.iters)
         native = medians[list(cases)[-1]]
+        bad = {name: world.allreduce(n, op=MPI.SUM) for name, n in wrong.items()}
+        total_wrong += sum(bad.values())
         if world.rank == 0:
             for name, us in medians.items():
-                print(f"{name:32s} {us:8.2f} us {us / native:6.2f}x")
-    return 0
+                print(f"{name:32s} {us:8.2f} us {us / native:6.2f}x  #wrong {bad[name]}")
+    if world.rank == 0:
+        print(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    return 1 if total_wrong else 0
 
 
 if __name__ == "__main__":

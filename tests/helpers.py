@@ -8,9 +8,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
+from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.dtypes import SUPPORTED_DTYPES
+from mpitrain.dtypes import BFLOAT16, SUPPORTED_DTYPES
 from mpitrain.ops import ReduceOp
 
 DTYPES = [str(d) for d in SUPPORTED_DTYPES]
@@ -23,6 +25,28 @@ def ops_for(dtype: Any) -> list[ReduceOp]:
     if np.dtype(dtype).kind == "c":
         ops = [o for o in ops if o not in (ReduceOp.MIN, ReduceOp.MAX)]
     return ops
+
+
+MANY_RANKS_CASES = {("float32", ReduceOp.SUM), ("int8", ReduceOp.PRODUCT),
+                    ("bfloat16", ReduceOp.MAX), ("float64", ReduceOp.AVERAGE),
+                    ("uint16", ReduceOp.MIN)}
+"""The (dtype, op) cases of the allreduce and reduce_scatter matrices that also run at
+6, 7 and 8 ranks: floats of each width, integers, every op once."""
+
+
+def dtype_op_cases(many_ranks: set[tuple[str, ReduceOp]]) -> list[Any]:
+    """Every (dtype, op) case as a pytest parameter; those in ``many_ranks`` are marked
+    ``many_ranks`` (``make test-mpi`` also runs them at 6, 7 and 8 ranks)."""
+    return [pytest.param(d, o, id=f"{d}-{o.value}",
+                         marks=[pytest.mark.many_ranks] if (d, o) in many_ranks else [])
+            for d in DTYPES for o in ops_for(d)]
+
+
+def dtype_params(many_ranks: set[str], dtypes: list[str] = DTYPES) -> list[Any]:
+    """Each of ``dtypes`` as a pytest parameter; those in ``many_ranks`` are marked
+    ``many_ranks``."""
+    return [pytest.param(d, id=d, marks=[pytest.mark.many_ranks] if d in many_ranks else [])
+            for d in dtypes]
 
 
 def crafted(rank: int, count: int, dtype: Any, op: ReduceOp) -> np.ndarray[Any, Any]:
@@ -70,6 +94,53 @@ def configured(comm: mt.Communicator, **changes: Any) -> Iterator[mt.Communicato
         yield comm
     finally:
         comm.configure(saved)
+
+
+@contextlib.contextmanager
+def synchronous_sends() -> Iterator[None]:
+    """For the block, the host transports made afterwards post every send as
+    ``MPI_Issend`` (:data:`mpitrain.comm.transport.SYNCHRONOUS_SENDS`): it completes only
+    once its receive is matched, as a send above MPI's eager limit does."""
+    from mpitrain.comm import transport
+
+    saved = transport.SYNCHRONOUS_SENDS
+    transport.SYNCHRONOUS_SENDS = True
+    try:
+        yield
+    finally:
+        transport.SYNCHRONOUS_SENDS = saved
+
+
+def layouts(n: int) -> dict[str, list[int]]:
+    """Node id of each of ``n`` ranks, per emulated layout; layouts equal at this size
+    are dropped."""
+    candidates = {
+        "one-node": [0] * n,
+        "rank-per-node": list(range(n)),
+        "pairs": [r // 2 for r in range(n)],          # 2+2+1 at 5 ranks
+        "interleaved": [r % 2 for r in range(n)],     # nodes are not rank ranges
+        "one-then-rest": [min(r, 1) for r in range(n)],
+    }
+    unique: dict[str, list[int]] = {}
+    for name, ids in candidates.items():
+        if ids not in unique.values():
+            unique[name] = ids
+    return unique
+
+
+def with_nodes(comm: MPI.Intracomm, ids: list[int]) -> mt.Communicator:
+    """A communicator over ``comm`` whose nodes are the ranks with equal ``ids`` (its
+    settings, stall limits included, read from the environment now)."""
+    from mpitrain.comm.inspector import StallLimits
+    from mpitrain.comm.topology import Topology
+
+    c = mt.Communicator(comm, shared_memory=False)  # emulated nodes share no memory
+    s = c.settings
+    c.dispatcher.topology.free()
+    c.dispatcher.topology = Topology.from_node_ids(
+        c.mpi_comm, ids[c.rank], StallLimits(s.stall_warning_s, s.stall_timeout_s,
+                                             s.stall_action))
+    return c
 
 
 def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:
@@ -120,15 +191,20 @@ def expect_mismatch(comm: mt.Communicator, call: Callable[[], Any], pattern: str
 
 
 def mismatch(actual: Any, expected: Any) -> str:
-    """Why ``actual`` is not exactly ``expected`` (shape, dtype and bits), or ``""``."""
+    """Why ``actual`` is not exactly ``expected`` (shape, dtype and bits; a NaN equals
+    a NaN), or ``""``."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"got {actual.dtype}{actual.shape}, want {expected.dtype}{expected.shape}"
-    if np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc"):
+    a, e = actual.reshape(-1), expected.reshape(-1)
+    same = a == e
+    if expected.dtype.kind in "fc" or expected.dtype == BFLOAT16:
+        same |= np.isnan(a) & np.isnan(e)
+    if same.all():
         return ""
-    wrong = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))
-    return (f"{wrong.size} wrong elements, first at {wrong[0]}: got "
-            f"{actual.reshape(-1)[wrong[0]]}, want {expected.reshape(-1)[wrong[0]]}")
+    wrong = np.flatnonzero(~same)
+    first = wrong[0]
+    return f"{wrong.size} wrong elements, first at {first}: got {a[first]}, want {e[first]}"
 
 
 class Checks:
@@ -159,9 +235,10 @@ def check_allreduce(comm: mt.Communicator, algorithm: str, dtype: Any, op: Reduc
         checks.equal(comm.allreduce(x, op=op, algorithm=algorithm), expected,
                      f"allreduce {algorithm} {dtype} {op} n={count}")
         checks.equal(x, crafted(comm.rank, count, dtype, op), "allreduce modified its input")
-        checks.equal(comm.allreduce_(x, op=op, algorithm=algorithm), expected,
-                     f"allreduce_ {algorithm} {dtype} {op} n={count}")
-        checks.equal(x, expected, f"allreduce_ {algorithm} wrote elsewhere")
+        y = comm.allreduce_(x, op=op, algorithm=algorithm)
+        if y is not x:
+            checks.failures.append(f"allreduce_ {algorithm} n={count} returned another array")
+        checks.equal(x, expected, f"allreduce_ {algorithm} {dtype} {op} n={count}")
     checks.verdict()
 
 

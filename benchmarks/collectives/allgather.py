@@ -19,7 +19,7 @@ from mpi4py import MPI
 import mpitrain as mt
 
 from .. import gloo
-from ..hooks import Array, Call, Case, Collective, crafted, mpi_buffer, poison
+from ..hooks import Array, Call, Case, Collective, crafted, mpi_buffer, no_reset, poison
 
 
 def _count(nbytes: int, itemsize: int, nranks: int) -> int:
@@ -45,9 +45,11 @@ def _expected(case: Case) -> Array:
 
 
 def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
-              inplace: bool) -> Call | None:
+              inplace: bool, allocates: bool) -> Call | None:
     if inplace:
         return None
+    if allocates:
+        return Call(lambda: comm.allgather(data, algorithm=algorithm), no_reset)
     out = np.empty_like(data, shape=(case.count * case.nranks,))  # preallocated, like MPI's
     return Call(lambda: comm.allgather(data, algorithm=algorithm, out=out),
                 functools.partial(poison, out))

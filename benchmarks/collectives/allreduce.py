@@ -25,6 +25,7 @@ from ..hooks import (
     crafted,
     mpi_buffer,
     mpi_op,
+    no_reset,
     poison,
     reduced,
     restore,
@@ -52,11 +53,15 @@ def _expected(case: Case) -> Array:
 
 
 def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
-              inplace: bool) -> Call:
+              inplace: bool, allocates: bool) -> Call | None:
     if inplace:
+        if allocates:
+            return None
         buf = data.copy()
         return Call(lambda: comm.allreduce_(buf, op=case.op, algorithm=algorithm),
                     restore(buf, data))
+    if allocates:
+        return Call(lambda: comm.allreduce(data, op=case.op, algorithm=algorithm), no_reset)
     out = np.empty_like(data)
     return Call(lambda: comm.allreduce(data, op=case.op, algorithm=algorithm, out=out),
                 functools.partial(poison, out))

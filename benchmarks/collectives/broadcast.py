@@ -51,7 +51,9 @@ def _expected(case: Case) -> Array:
 
 
 def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
-              inplace: bool) -> Call:
+              inplace: bool, allocates: bool) -> Call | None:
+    if allocates:  # broadcast takes no out=: its out-of-place column is the plain call
+        return None
     if inplace:
         buf = data.copy()
         return Call(lambda: comm.broadcast_(buf, root=case.root, algorithm=algorithm),

@@ -26,6 +26,7 @@ from ..hooks import (
     crafted,
     mpi_buffer,
     mpi_op,
+    no_reset,
     poison,
     reduced,
     restore,
@@ -53,9 +54,11 @@ def _expected(case: Case) -> Array:
 
 
 def _mpitrain(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
-              inplace: bool) -> Call | None:
+              inplace: bool, allocates: bool) -> Call | None:
     if inplace:
         return None
+    if allocates:
+        return Call(lambda: comm.reduce_scatter(data, op=case.op, algorithm=algorithm), no_reset)
     out = np.empty_like(data, shape=(case.count,))  # preallocated, like MPI's
     return Call(lambda: comm.reduce_scatter(data, op=case.op, algorithm=algorithm, out=out),
                 functools.partial(poison, out))

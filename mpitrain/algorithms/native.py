@@ -4,7 +4,9 @@ They serve as the ``"mpi"`` algorithm (a baseline in benchmarks, and a candidate
 the selection table where they are faster). Float16 and bfloat16, which MPI cannot
 reduce portably, are reduced by a user-defined MPI operation that calls our numpy
 reduction, over a contiguous datatype of one element so MPI never splits one. So are
-Min and Max of floats, so that NaN propagates as it does in every other algorithm.
+Min and Max of floats, so that NaN propagates as it does in every other algorithm, and
+sums of 8- and 16-bit integers, so that they wrap around as they do in every other
+algorithm.
 """
 
 from __future__ import annotations
@@ -56,17 +58,26 @@ def _element_type(dt: np.dtype[Any]) -> MPI.Datatype:
     return MPI.BYTE.Create_contiguous(dt.itemsize).Commit()
 
 
+def _predefined_differs(dt: np.dtype[Any], op: ReduceOp) -> bool:
+    """Whether MPI's predefined operation gives other results than numpy's ufunc:
+    Open MPI's ``MPI_MIN``/``MPI_MAX`` drop NaN where numpy's propagate it, and its
+    ``op/avx`` component adds 8- and 16-bit integers with saturation where numpy wraps
+    around (open-mpi/ompi#8045, closed as won't fix)."""
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        return dt.kind == "f"
+    return op is ReduceOp.SUM and dt.kind in "iu" and dt.itemsize <= 2
+
+
 @functools.cache
 def _mpi_op(dt: np.dtype[Any], op: ReduceOp) -> MPI.Op:
     """The MPI operation reducing ``dt`` with ``op``.
 
-    User-defined (our numpy reduction) for float16/bf16, and for Min/Max of floats:
-    Open MPI's ``MPI_MIN``/``MPI_MAX`` drop NaN, numpy's propagate it, and every
-    algorithm must give the same result. float16 and bfloat16 reduce in the
+    User-defined (our numpy reduction) for float16/bf16, and where MPI's predefined
+    operation would give another result than every other algorithm
+    (:func:`_predefined_differs`). float16 and bfloat16 reduce in the
     :mod:`~mpitrain.backends.hostcopy` extension where it is built.
     """
-    if mpi_reduces_natively(dt) and not (op in (ReduceOp.MIN, ReduceOp.MAX)
-                                         and dt.kind == "f"):
+    if mpi_reduces_natively(dt) and not _predefined_differs(dt, op):
         return _MPI_OPS[op]
     ufunc = _UFUNCS[op]
 

@@ -39,6 +39,12 @@ _SPIN_S = 0.002
 _MAX_PAUSE_S = 0.005
 """Longest sleep between two Tests of an interruptible wait."""
 
+SYNCHRONOUS_SENDS = False
+"""Test knob: post this transport's sends as ``MPI_Issend`` (``MPI_Ssend`` when
+blocking), which completes only once the receiver has matched it, as every send above
+MPI's eager limit does. Small test messages would otherwise always complete at once
+and hide a send that waits for its receiver (read when a transport is made)."""
+
 
 class PeerTransport(Protocol):
     """What an algorithm may use: its ring neighbours and non-blocking byte messages.
@@ -109,11 +115,13 @@ class Transport:
         self.interruptible = self.inspector.raises
         # Requests of the current collective, kept alive (with their buffers) after a stall.
         self.inflight: list[Request] = []
+        self.synchronous = SYNCHRONOUS_SENDS
+        post_send = self.comm.Issend if self.synchronous else self.comm.Isend
         # Bound methods: the hot loops call these without attribute lookups on MPI.
-        self.isend: Callable[..., Request] = self.comm.Isend
+        self.isend: Callable[..., Request] = post_send
         self.irecv: Callable[..., Request] = self.comm.Irecv
         if self.interruptible:
-            self.isend = self._tracked(self.comm.Isend)
+            self.isend = self._tracked(post_send)
             self.irecv = self._tracked(self.comm.Irecv)
 
     def begin(self, collective: str) -> None:
@@ -144,7 +152,10 @@ class Transport:
 
     def send(self, buf: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of ``buf`` to ``dest``."""
-        self.collective(self.comm.Send, self.comm.Isend, buf, dest, tag)
+        if self.synchronous:
+            self.collective(self.comm.Ssend, self.comm.Issend, buf, dest, tag)
+        else:
+            self.collective(self.comm.Send, self.comm.Isend, buf, dest, tag)
 
     def recv(self, buf: Any, source: int, tag: int = 0) -> None:
         """Blocking receive into ``buf`` from ``source``."""
@@ -152,6 +163,9 @@ class Transport:
 
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
+        if self.synchronous:
+            self.waitall([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
+            return
         self.collective(self.comm.Sendrecv, self.comm.Isendrecv, sendbuf, dest, tag, recvbuf,
                         source, tag)
 

@@ -2,7 +2,7 @@
 formula in the algorithm's tree order, exact properties, and the refusals (rank
 counts that are not powers of two, integer dtypes, reduce_scatter, other algorithms).
 
-Run at 1, 2 and 4 ranks for results, at 3 and 5 for the refusal."""
+Run at 1, 2, 4 and 8 ranks for results, at 3, 5, 6 and 7 for the refusal."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import mpitrain as mt
 from mpitrain.dtypes import FLOAT_DTYPES
 
 FLOATS = [str(d) for d in FLOAT_DTYPES]
+pytestmark = pytest.mark.many_ranks
+
 TOLERANCE = {"float64": 1e-12, "float32": 4e-6, "float16": 8e-3, "bfloat16": 6e-2}
 """Largest error allowed, relative to the result's largest magnitude (a few units in
 the last place: the reference rounds each level as the ranks do, but sums its dot

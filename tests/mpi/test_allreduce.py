@@ -6,44 +6,46 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_equal_all_ranks, crafted, ops_for, reference
+from helpers import (
+    DTYPES,
+    MANY_RANKS_CASES,
+    assert_all_ranks,
+    assert_equal_all_ranks,
+    check_allreduce,
+    crafted,
+    dtype_op_cases,
+    reference,
+)
+from mpi4py import MPI
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
 ALGORITHMS = ["auto", *REGISTERED["allreduce"]]
 SEGMENTED = ["ring", "shm"]  # algorithms with a pipeline that MPITRAIN_SEGMENT_BYTES cuts
-CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
 
 def counts(size: int) -> list[int]:
-    """0, 1, fewer than ranks, and not divisible by any rank count 2..5."""
-    return sorted({0, 1, max(size - 1, 0), 1001})
+    """0, 1, fewer than ranks, divisible by every rank count 1..8 (equal chunks, and
+    equal blocks of every butterfly), and divisible by none of 2..8 (uneven chunks)."""
+    return sorted({0, 1, max(size - 1, 0), 840, 1001})
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
+@pytest.mark.parametrize("dtype,op", dtype_op_cases(many_ranks=MANY_RANKS_CASES))
 def test_allreduce_matches_reference(comm: mt.Communicator, algorithm: str, dtype: str,
                                      op: mt.ReduceOp) -> None:
-    for count in counts(comm.size):
-        x = crafted(comm.rank, count, dtype, op)
-        before = x.copy()
-        y = comm.allreduce(x, op=op, algorithm=algorithm)
-        expected = reference(comm.size, count, dtype, op)
-        assert_equal_all_ranks(comm, y, expected, f"allreduce {algorithm} n={count}")
-        assert_equal_all_ranks(comm, x, before, "allreduce must not modify its input")
-        z = crafted(comm.rank, count, dtype, op)
-        assert comm.allreduce_(z, op=op, algorithm=algorithm) is z
-        assert_equal_all_ranks(comm, z, expected, f"allreduce_ {algorithm} n={count}")
+    """Out of place (the input untouched) and in place, at every count of :func:`counts`."""
+    check_allreduce(comm, algorithm, dtype, op, counts(comm.size))
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_allreduce_large(comm: mt.Communicator, algorithm: str) -> None:
-    """A buffer of ~200k elements: several segments or stripes per chunk."""
-    count = 200_003
-    for dtype, op in (("float32", mt.Sum), ("int16", mt.Max)):
+    """Buffers of ~200k elements: several segments or stripes per chunk, in uneven
+    chunks and in equal ones (201_600 = 240 * 840: equal at every rank count 1..8)."""
+    for count, dtype, op in ((200_003, "float32", mt.Sum), (201_600, "int16", mt.Max)):
         x = crafted(comm.rank, count, dtype, op)
         expected = reference(comm.size, count, dtype, op)
         assert_equal_all_ranks(comm, comm.allreduce(x, op=op, algorithm=algorithm), expected,
@@ -67,7 +69,7 @@ def test_pipeline_segments(comm: mt.Communicator, configure: Callable[..., Any],
     """Tiny segments reach the multi-segment pipeline (or stripes) with uneven chunks;
     Average's scaling rides the last reduction of each stripe."""
     configure(segment_bytes="24")
-    for count in (comm.size - 1, 37, 1001):
+    for count in (comm.size - 1, 37, 840, 1001):
         for op in (mt.Sum, mt.Product, mt.Average):
             x = crafted(comm.rank, count, dtype, op)
             y = comm.allreduce(x, op=op, algorithm=algorithm)
@@ -113,7 +115,14 @@ def test_shapes_out_and_noncontiguous(comm: mt.Communicator) -> None:
 def test_module_level_shortcuts(comm: mt.Communicator) -> None:
     assert mt.init() is comm and mt.is_initialized()
     assert (mt.rank(), mt.size()) == (comm.rank, comm.size)
-    assert mt.local_size() * mt.cross_size() >= mt.size() or mt.cross_size() >= 1
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)  # MPI's own view of the nodes
+    try:
+        local_ranks = MPI.COMM_WORLD.allgather(node.Get_rank())
+        want = (node.Get_rank(), node.Get_size(), local_ranks.count(node.Get_rank()))
+    finally:
+        node.Free()
+    got = (mt.local_rank(), mt.local_size(), mt.cross_size())
+    assert_all_ranks(comm, got == want, f"local rank, local size, cross size {got}, want {want}")
     x = np.full(3, comm.rank, np.int32)
     assert_equal_all_ranks(comm, mt.allreduce(x, mt.Max), np.full(3, comm.size - 1, np.int32),
                            "mt.allreduce")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -20,7 +22,7 @@ def cases() -> list[tuple[str, mt.ReduceOp]]:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_every_kind_matches_blocking(comm: mt.Communicator) -> None:
+def test_every_kind_matches_the_reference(comm: mt.Communicator) -> None:
     """All submitted first and waited together, so fusable ones share buckets."""
     checks: list[tuple[str, Any, Any]] = []  # (what, handle, expected)
     for dtype, op in cases():
@@ -32,13 +34,13 @@ def test_every_kind_matches_blocking(comm: mt.Communicator) -> None:
             y = x.copy()
             checks.append((f"allreduce_async_ {dtype} {op} n={count}",
                            comm.allreduce_async_(y, op=op), want))
-            rows = x.reshape(-1, 1) if count else x.reshape(0, 1)
             checks.append((f"reduce_scatter_async {dtype} {op} n={count}",
-                           comm.reduce_scatter_async(rows, op=op),
-                           comm.reduce_scatter(rows, op=op)))
+                           comm.reduce_scatter_async(x.reshape(count, 1), op=op),
+                           np.array_split(want.reshape(count, 1), comm.size)[comm.rank]))
         block = crafted(comm.rank, 3 * (comm.rank + 1), dtype, mt.Sum).reshape(-1, 3)
-        checks.append((f"allgather_async {dtype}", comm.allgather_async(block),
-                       comm.allgather(block)))
+        every = np.concatenate([crafted(r, 3 * (r + 1), dtype, mt.Sum).reshape(-1, 3)
+                                for r in range(comm.size)])
+        checks.append((f"allgather_async {dtype}", comm.allgather_async(block), every))
         root = comm.size - 1
         z = crafted(comm.rank, 7, dtype, mt.Sum)
         checks.append((f"broadcast_async {dtype}", comm.broadcast_async(z, root=root),
@@ -53,14 +55,15 @@ def test_every_kind_matches_blocking(comm: mt.Communicator) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_scaling_and_explicit_algorithms(comm: mt.Communicator) -> None:
+    """Average with a prescale and a postscale, through the ring and MPI's own."""
     x = crafted(comm.rank, 5000, "float64", mt.Sum)
+    total = reference(comm.size, 5000, "float64", mt.Sum)
     for algorithm in ("ring", "mpi"):
         hs = [comm.allreduce_async(x[: 100 * (i + 1)], op=mt.Average, prescale_factor=0.5,
                                    postscale_factor=3.0, algorithm=algorithm) for i in range(5)]
         for i, h in enumerate(hs):
-            want = comm.allreduce(x[: 100 * (i + 1)], op=mt.Average, prescale_factor=0.5,
-                                  postscale_factor=3.0)
-            assert_all_ranks(comm, bool(np.allclose(h.wait(), want, rtol=1e-12)),
+            want = total[: 100 * (i + 1)] * 0.5 * 3.0 / comm.size
+            assert_all_ranks(comm, bool(np.allclose(h.wait(), want, rtol=1e-12, atol=0)),
                              f"scaled {algorithm} #{i}")
 
 
@@ -589,12 +592,28 @@ def test_free_stops_the_engine(comm: mt.Communicator) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_idle_engine_sleeps(comm: mt.Communicator) -> None:
-    """With nothing in flight the progress thread waits on a condition, not in a loop."""
+    """With nothing in flight the progress thread waits on its condition, with no
+    timeout, and runs no cycle: it is found there every time it is looked at, not in a
+    loop."""
     comm.allreduce_async(np.ones(4)).wait()  # the engine exists and has just worked
-    cpu = time.process_time()
-    time.sleep(0.3)
-    used = time.process_time() - cpu
-    assert_all_ranks(comm, used < 0.1, f"an idle engine used {used:.3f} s of CPU in 0.3 s")
+    worker = comm.engine()._worker
+
+    def asleep() -> bool:
+        frame = sys._current_frames().get(worker.ident or 0)
+        return frame is not None and frame.f_code is threading.Condition.wait.__code__ \
+            and frame.f_locals.get("timeout") is None
+
+    deadline = time.monotonic() + 60
+    while not asleep() and time.monotonic() < deadline:  # it goes to sleep after the work
+        time.sleep(0.001)
+    cycles = comm.async_stats().cycles
+    looks = []
+    for _ in range(50):
+        looks.append(asleep())
+        time.sleep(0.002)
+    ran = comm.async_stats().cycles - cycles
+    assert_all_ranks(comm, all(looks) and ran == 0,
+                     f"asleep at {sum(looks)} of 50 looks; {ran} cycles ran meanwhile")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -602,7 +621,6 @@ def test_done_callbacks(comm: mt.Communicator, caplog: pytest.LogCaptureFixture)
     """A handle's callbacks run once, after the result is ready (on the engine's side of
     the cycle), at once for a handle already done; one that raises is logged and the
     engine goes on."""
-    import threading
 
     seen: list[tuple[str, Any, bool]] = []
     lock = threading.Lock()

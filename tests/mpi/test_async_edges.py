@@ -8,6 +8,10 @@ Every test runs on a communicator with a stall timeout, so a hang ends as
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from typing import Any, Iterator
 
 import numpy as np
@@ -146,16 +150,34 @@ def test_buckets_at_the_fusion_threshold(watched: pytest.MonkeyPatch, comm: mt.C
                                          shared_memory: bool) -> None:
     """Buckets that fill the fusion threshold exactly, one element past it, arrays of
     exactly the threshold (never fused) and one element under it, with a threshold
-    that differs by rank (the smallest one cuts the buckets on every rank), in one
-    cycle and in cycles that ranks reach with different parts of the batch."""
+    that differs by rank, in one cycle and in cycles that ranks reach with different
+    parts of the batch. The smallest threshold (the last rank's) cuts the buckets on
+    every rank: rank 0's timeline, whose own threshold is the largest, shows no fused
+    bucket above it."""
     item = 8  # float64
     threshold = 12 * item
-    watched.setenv("MPITRAIN_FUSION_THRESHOLD", str(threshold + 8 * item * comm.rank))
+    watched.setenv("MPITRAIN_FUSION_THRESHOLD",
+                   str(threshold + 8 * item * (comm.size - 1 - comm.rank)))
+    folder = tempfile.mkdtemp(prefix="mpitrain-fusion-") if comm.rank == 0 else None
+    path = comm.broadcast_object(os.path.join(folder or "", "timeline.json"))
     c = mt.Communicator(comm.mpi_comm, shared_memory=shared_memory)
+    mt.start_timeline(path)
     try:
         batches = [[4, 4, 4], [4, 4, 4, 1], [12], [11, 1], [11, 2], [12, 12, 0, 6, 6],
                    [1] * 12 + [1], [13, 3, 9]]
         for it, sizes in enumerate(batches):
             fused_rounds(c, sizes, "float64", 3, tag=f"b{it}.")
     finally:
+        mt.stop_timeline()
         c.free()
+    buckets: dict[str, tuple[int, int]] = {}  # id -> (arrays, bytes)
+    if folder is not None:
+        with open(path, encoding="utf-8") as f:
+            for event in json.load(f):
+                args = event.get("args", {})
+                if "bucket" in args:
+                    buckets[args["bucket"]] = (args["tensors"], args["bytes"])
+        shutil.rmtree(folder)
+    fused = [nbytes for arrays, nbytes in comm.broadcast_object(buckets).values() if arrays > 1]
+    assert_all_ranks(comm, bool(fused) and max(fused) <= threshold,
+                     f"fused buckets of {sorted(set(fused))} bytes; threshold {threshold}")

@@ -3,8 +3,9 @@
 ``Topology.from_node_ids`` lets any grouping of ranks act as the node split, so the
 multi-node code paths (uneven nodes, nodes that are not contiguous rank ranges, one
 rank per node) run in the normal suite. The full dtype x op matrix runs on one
-uneven layout; every layout runs a few dtypes and sizes. tests/cluster runs the same
-checks across emulated hosts.
+uneven layout; every layout runs a few dtypes and sizes, also at 6, 7 and 8 ranks
+(nodes of 3 and 4 ranks, 3 and 4 nodes). tests/cluster runs the same checks across
+emulated hosts.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from helpers import (
     check_reduce_scatter,
     configured,
     crafted,
+    layouts,
     ops_for,
     reference,
+    with_nodes,
 )
 from mpi4py import MPI
 
@@ -31,25 +34,8 @@ import mpitrain as mt
 from mpitrain.algorithms import PlanRequest, hierarchical
 from mpitrain.algorithms.segmented_doubling import SegmentedDoublingAllreduce
 from mpitrain.backends import NUMPY
-from mpitrain.comm.topology import Topology
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
-
-
-def layouts(n: int) -> dict[str, list[int]]:
-    """Node id of each rank, per layout; layouts equal at this size are dropped."""
-    candidates = {
-        "one-node": [0] * n,
-        "rank-per-node": list(range(n)),
-        "pairs": [r // 2 for r in range(n)],          # 2+2+1 at 5 ranks
-        "interleaved": [r % 2 for r in range(n)],     # nodes are not rank ranges
-        "one-then-rest": [min(r, 1) for r in range(n)],
-    }
-    unique: dict[str, list[int]] = {}
-    for name, ids in candidates.items():
-        if ids not in unique.values():
-            unique[name] = ids
-    return unique
 
 
 LAYOUTS = list(layouts(5))
@@ -70,20 +56,13 @@ def emulated(request: pytest.FixtureRequest) -> Iterator[tuple[mt.Communicator, 
 Emulated = tuple[mt.Communicator, list[int]]
 
 
-def with_nodes(comm: MPI.Intracomm, ids: list[int]) -> mt.Communicator:
-    """A communicator over ``comm`` whose nodes are the ranks with equal ``ids``."""
-    c = mt.Communicator(comm, shared_memory=False)  # emulated nodes share no memory
-    c.dispatcher.topology.free()
-    c.dispatcher.topology = Topology.from_node_ids(c.mpi_comm, ids[c.rank])
-    return c
-
-
 def expected_nodes(ids: list[int]) -> list[tuple[int, ...]]:
     """The ranks of each node, nodes ordered by their lowest rank."""
     groups = [tuple(r for r in range(len(ids)) if ids[r] == i) for i in set(ids)]
     return sorted(groups)
 
 
+@pytest.mark.many_ranks
 @pytest.mark.mpi(min_size=1)
 def test_topology_of_layout(emulated: Emulated) -> None:
     c, ids = emulated
@@ -101,22 +80,23 @@ def test_topology_of_layout(emulated: Emulated) -> None:
     assert_all_ranks(c, members == expected, f"cross members {members} != {expected}")
 
 
+@pytest.mark.many_ranks
 @pytest.mark.mpi(min_size=1)
 def test_every_layout(emulated: Emulated) -> None:
     c, _ = emulated
     n = c.size
     for dtype, op in (("float64", mt.Sum), ("int8", mt.Product), ("bfloat16", mt.Max)):
-        check_allreduce(c, "hierarchical", dtype, op, [0, 1, n - 1, 1001, 100_003])
-        check_reduce_scatter(c, "hierarchical", dtype, op, [0, 1, n - 1, 33_337])
-        check_allgather(c, "hierarchical", dtype, [0, 1, n - 1, 20_001])
+        check_allreduce(c, "hierarchical", dtype, op, [0, 1, n - 1, 840, 1001, 100_003])
+        check_reduce_scatter(c, "hierarchical", dtype, op, [0, 1, n - 1, 840, 33_337])
+        check_allgather(c, "hierarchical", dtype, [0, 1, n - 1, 840, 20_001])
 
 
 @pytest.mark.mpi(min_size=1)
 def test_every_layout_segmented(emulated: Emulated) -> None:
     """Tiny pipeline segments reach the multi-segment paths of every phase."""
     with configured(emulated[0], segment_bytes="24") as c:
-        check_allreduce(c, "hierarchical", "float32", mt.Sum, [c.size - 1, 37, 1001])
-        check_reduce_scatter(c, "hierarchical", "int16", mt.Sum, [37, 333])
+        check_allreduce(c, "hierarchical", "float32", mt.Sum, [c.size - 1, 37, 840, 1001])
+        check_reduce_scatter(c, "hierarchical", "int16", mt.Sum, [37, 333, 840])
         check_allgather(c, "hierarchical", "uint8", [37, 401])
 
 
@@ -150,8 +130,8 @@ def test_dtype_op_matrix_uneven(comm: mt.Communicator, dtype: str, op: mt.Reduce
     c = with_nodes(comm.mpi_comm, [min(r, 1) for r in range(comm.size)])  # 1 + rest
     try:
         n = c.size
-        check_allreduce(c, "hierarchical", dtype, op, [1, n - 1, 1001])
-        check_reduce_scatter(c, "hierarchical", dtype, op, [n - 1, 101])
+        check_allreduce(c, "hierarchical", dtype, op, [1, n - 1, 840, 1001])
+        check_reduce_scatter(c, "hierarchical", dtype, op, [n - 1, 101, 840])
         if op is mt.Sum:
             check_allgather(c, "hierarchical", dtype, [n - 1, 101])
     finally:
@@ -193,6 +173,7 @@ def test_auto_across_nodes(emulated: Emulated) -> None:
                            "auto allreduce")
 
 
+@pytest.mark.many_ranks
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "int64", "float16"])
 def test_recursive_doubling(comm: mt.Communicator, dtype: str) -> None:

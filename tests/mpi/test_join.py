@@ -235,11 +235,14 @@ def test_rank_that_stops_without_joining() -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_submitting_during_join_is_refused(comm: mt.Communicator) -> None:
-    """Another thread of a rank in join() cannot submit: an error naming join."""
+    """Another thread of a rank in join() cannot submit: an error naming join. The other
+    ranks join only once that thread has tried (it tells them, on a communicator of the
+    test's own), so rank 0 is in join() all the while."""
     import threading
 
     errors: list[str] = []
     engine = comm.engine()
+    side = MPI.COMM_WORLD.Dup()
 
     def submit() -> None:
         while engine._join is None and not done.is_set():
@@ -248,20 +251,32 @@ def test_submitting_during_join_is_refused(comm: mt.Communicator) -> None:
             comm.allreduce_async(np.ones(2), name="late")
         except mt.ArgumentError as exc:
             errors.append(str(exc))
+        for r in range(1, side.Get_size()):
+            side.send("tried", dest=r, tag=7)
 
     done = threading.Event()
     t = threading.Thread(target=submit)
+    told = ""
     if comm.rank == 0:
         t.start()
-    else:  # ready once rank 0 is in join(); then rank 0 stays in it for a second
+    else:  # ready once rank 0 is in join(): its thread tries, then says so
         comm.allreduce_async(np.ones(1), name="rank 0 joined").wait()
-        time.sleep(1.0)
+        request = side.irecv(source=0, tag=7)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            finished, told = request.test()
+            if finished:
+                break
+            time.sleep(0.001)
+        else:
+            request.Cancel()
     comm.join()
     done.set()
     if comm.rank == 0:
         t.join(30)
-    ok = comm.rank != 0 or (len(errors) == 1 and "join()" in errors[0])
-    assert_all_ranks(comm, ok, f"{errors}")
+    side.Free()
+    ok = (len(errors) == 1 and "join()" in errors[0]) if comm.rank == 0 else told == "tried"
+    assert_all_ranks(comm, ok, f"{errors}" if comm.rank == 0 else f"told {told!r}")
 
 
 @pytest.mark.mpi(min_size=2)

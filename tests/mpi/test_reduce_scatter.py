@@ -6,38 +6,44 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
+from helpers import (
+    MANY_RANKS_CASES,
+    assert_all_ranks,
+    assert_equal_all_ranks,
+    check_reduce_scatter,
+    crafted,
+    dtype_op_cases,
+    reference,
+)
 
 import mpitrain as mt
 from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
 ALGORITHMS = ["auto", *REGISTERED["reduce_scatter"]]
-CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
+@pytest.mark.parametrize("dtype,op", dtype_op_cases(many_ranks=MANY_RANKS_CASES))
 def test_reduce_scatter_matches_reference(comm: mt.Communicator, algorithm: str, dtype: str,
                                           op: mt.ReduceOp) -> None:
-    for rows in sorted({0, 1, max(comm.size - 1, 0), 1001}):
-        width = 3
-        x = crafted(comm.rank, rows * width, dtype, op).reshape(rows, width)
-        y = comm.reduce_scatter(x, op=op, algorithm=algorithm)
-        full = reference(comm.size, rows * width, dtype, op).reshape(rows, width)
-        expected = np.array_split(full, comm.size)[comm.rank]
-        assert_equal_all_ranks(comm, y, expected, f"reduce_scatter {algorithm} rows={rows}")
+    """0, 1 and fewer rows than ranks; 840 rows: equal blocks at every rank count 1..8;
+    1001: uneven at every one."""
+    check_reduce_scatter(comm, algorithm, dtype, op, sorted({0, 1, max(comm.size - 1, 0),
+                                                             840, 1001}))
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_reduce_scatter_large(comm: mt.Communicator, algorithm: str) -> None:
-    rows, width = 66_667, 3
-    x = crafted(comm.rank, rows * width, "float32", mt.Sum).reshape(rows, width)
-    full = reference(comm.size, rows * width, "float32", mt.Sum).reshape(rows, width)
-    assert_equal_all_ranks(comm, comm.reduce_scatter(x, algorithm=algorithm),
-                           np.array_split(full, comm.size)[comm.rank],
-                           f"reduce_scatter {algorithm} rows={rows}")
+    """~200k elements, in uneven and in equal blocks (67_200 = 80 * 840 rows)."""
+    width = 3
+    for rows in (66_667, 67_200):
+        x = crafted(comm.rank, rows * width, "float32", mt.Sum).reshape(rows, width)
+        full = reference(comm.size, rows * width, "float32", mt.Sum).reshape(rows, width)
+        assert_equal_all_ranks(comm, comm.reduce_scatter(x, algorithm=algorithm),
+                               np.array_split(full, comm.size)[comm.rank],
+                               f"reduce_scatter {algorithm} rows={rows}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -45,7 +51,7 @@ def test_reduce_scatter_large(comm: mt.Communicator, algorithm: str) -> None:
 def test_reduce_scatter_segments_and_1d(comm: mt.Communicator, configure: Callable[..., Any],
                                         algorithm: str) -> None:
     configure(segment_bytes="16")
-    for count in (comm.size - 1, 50, 1001):
+    for count in (comm.size - 1, 50, 840, 1001):
         for op in (mt.Sum, mt.Min):
             x = crafted(comm.rank, count, "float64", op)
             y = comm.reduce_scatter(x, op=op, algorithm=algorithm)

@@ -36,14 +36,14 @@ def single(comm: mt.Communicator) -> Iterator[mt.Communicator]:
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
 def test_every_dtype_and_op(single: mt.Communicator, dtype: str, op: mt.ReduceOp) -> None:
     n = single.size
-    check_allreduce(single, "single_copy", dtype, op, [0, 1, n - 1, 1001, 70_001])
-    check_rs(single, "single_copy", dtype, op, [0, 1, n - 1, 1001])
+    check_allreduce(single, "single_copy", dtype, op, [0, 1, n - 1, 840, 1001, 70_001])
+    check_rs(single, "single_copy", dtype, op, [0, 1, n - 1, 840, 1001])
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather_every_dtype(single: mt.Communicator, dtype: str) -> None:
-    check_allgather(single, "single_copy", dtype, [0, 1, single.size + 2, 1001, 40_000])
+    check_allgather(single, "single_copy", dtype, [0, 1, single.size + 2, 840, 1001, 40_000])
 
 
 @pytest.mark.mpi(min_size=2)
@@ -51,8 +51,8 @@ def test_stripes_and_in_place(single: mt.Communicator, configure: Callable[..., 
     """Many stripes (a 64-byte segment), Average with scaling, in place."""
     configure(segment_bytes="64")
     for dtype in ("float64", "float16", "int32"):
-        check_allreduce(single, "single_copy", dtype, mt.Sum, [single.size + 1, 999])
-        check_rs(single, "single_copy", dtype, mt.Max, [1001])
+        check_allreduce(single, "single_copy", dtype, mt.Sum, [single.size + 1, 840, 999])
+        check_rs(single, "single_copy", dtype, mt.Max, [840, 1001])
     rank, size = single.rank, single.size
     x = np.arange(5000, dtype=np.float64) + rank
     y = single.allreduce_(x, op=mt.Average, algorithm="single_copy", prescale_factor=2.0)

@@ -199,11 +199,49 @@ def test_mismatch_raises_on_every_rank(comm: mt.Communicator, case: str) -> None
 
 
 @pytest.mark.mpi(min_size=1)
-def test_the_latency_benchmark_runs(comm: mt.Communicator,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_latency_benchmark_checks_its_results(comm: mt.Communicator,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Every variant and size prints its line with no wrong element."""
     from benchmarks import latency
 
-    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "2"]) == 0
+    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3"]) == 0
     printed = capsys.readouterr().out
     if comm.rank == 0:
-        assert "mpitrain allreduce 4 B" in printed and "MPI Barrier" in printed
+        lines = [line for line in printed.splitlines() if not line.startswith("#")]
+        assert [line.split(" us ")[0].rsplit(None, 1)[0] for line in lines] == [
+            f"{impl} {n} B" for n in (4, 64) for impl in
+            ("mpitrain allreduce", "mpitrain allreduce_", "MPI Allreduce")] + [
+            "mpitrain barrier", "MPI Barrier"]
+        assert all(line.endswith("#wrong 0") for line in lines), printed
+        assert "# Out of bounds values : 0 OK" in printed
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("method", ["allreduce", "allreduce_"])
+def test_the_latency_benchmark_fails_on_a_wrong_sum(comm: mt.Communicator,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    method: str) -> None:
+    """A result off by one in one element, once per block on the last rank: the
+    variant counts it and the run exits with 1 on every rank."""
+    from benchmarks import latency
+
+    real = getattr(mt.Communicator, method)
+    calls = [0]
+
+    def off_by_one(self: mt.Communicator, x: Any, *args: Any, **kwargs: Any) -> Any:
+        y = real(self, x, *args, **kwargs)
+        calls[0] += 1
+        if self.rank == self.size - 1 and calls[0] % 3 == 0:
+            y[-1] += 1
+        return y
+
+    monkeypatch.setattr(mt.Communicator, method, off_by_one)
+    assert latency.main(["--sizes", "64", "--blocks", "2", "--iters", "3"]) == 1
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        wrong = {line.split(" us ")[0].rsplit(None, 1)[0]: line.rsplit(None, 1)[-1]
+                 for line in printed.splitlines() if "#wrong" in line}
+        assert wrong[f"mpitrain {method} 64 B"] == "2", printed  # one per block
+        assert {v for k, v in wrong.items() if k != f"mpitrain {method} 64 B"} == {"0"}
+        assert "FAILED" in printed

@@ -294,9 +294,13 @@ def test_compression_in_allreduce() -> None:
 def test_barrier_join_objects() -> None:
     hvd.barrier()
     last = hvd.size() - 1
-    if hvd.rank() == last:
-        time.sleep(1.0)  # joins well after the others
-    check(hvd.join() == last, "join returns the last rank to join")
+    served = True
+    if hvd.rank() == last:  # joined ranks serve an allreduce with zeros: this one completes
+        # only once every other rank is in join(), so this rank is the last to join
+        ones = torch.ones(3, dtype=torch.float64)
+        served = torch.equal(hvd.allreduce(ones, op=hvd.Sum, name="late"), ones)
+    last_to_join = hvd.join()
+    check(served and last_to_join == last, f"join returned {last_to_join}, not {last}")
     check(hvd.join() in range(hvd.size()), "join again")
     assert hvd.broadcast_object({"r": hvd.rank()}, root_rank=last) == {"r": last}
     assert hvd.allgather_object(hvd.rank() ** 2) == [r * r for r in range(hvd.size())]
@@ -304,27 +308,50 @@ def test_barrier_join_objects() -> None:
         hvd.broadcast_object(1, root_rank=99)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_broadcast_parameters_and_optimizer_state() -> None:
-    torch.manual_seed(hvd.rank())
+def roots_model(root: int) -> tuple[Any, Any]:
+    """What the root of :func:`test_broadcast_parameters_and_optimizer_state` holds: its
+    seeded model and Adam, after one step on rank 0 only."""
+    torch.manual_seed(root)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    if hvd.rank() == 0:  # only the root has Adam state
+    if root == 0:  # only the root has Adam state
         model(torch.randn(5, 3)).sum().backward()
         opt.step()
+    return model, opt
+
+
+def same_state(model: Any, opt: Any, want_model: Any, want_opt: Any) -> str:
+    """Where ``model``/``opt`` differ from ``want_model``/``want_opt`` (``""``: nowhere)."""
+    ours, theirs = model.state_dict(), want_model.state_dict()
+    wrong = [k for k in theirs if not torch.equal(ours[k].cpu(), theirs[k])]
+    for i, (p, q) in enumerate(zip(model.parameters(), want_model.parameters())):
+        want = want_opt.state.get(q, {})
+        got = opt.state.get(p, {})
+        wrong += [f"adam[{i}].{k}" for k in want
+                  if k not in got or not torch.equal(torch.as_tensor(got[k]).cpu(),
+                                                     torch.as_tensor(want[k]))]
+    return ", ".join(wrong)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_parameters_and_optimizer_state() -> None:
+    """Every rank ends with the root's parameters, buffers and Adam state, bit for bit
+    as the root made them (rebuilt here from the root's seed)."""
+    model, opt = roots_model(hvd.rank())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    flat = torch.cat([t.reshape(-1).double() for t in model.state_dict().values()])
-    state = torch.cat([v.reshape(-1).double() for s in opt.state.values()
-                       for v in s.values()])
-    every = hvd.allgather(torch.cat([flat, state]).unsqueeze(0))
-    check(len(opt.state) == 4 and bool((every == every[0]).all()),
-          "parameters, buffers and Adam state equal the root's")
+    want_model, want_opt = roots_model(0)
+    wrong = same_state(model, opt, want_model, want_opt)
+    check(len(opt.state) == 4 and not wrong, f"differ from the root's: {wrong}")
+    root = hvd.size() - 1
     torch.manual_seed(10 + hvd.rank())
     other = torch.nn.Linear(3, 4)
-    hvd.broadcast_parameters(other.named_parameters(), root_rank=hvd.size() - 1)
-    w = hvd.allgather(other.weight.detach().unsqueeze(0))
-    check(bool((w == w[-1]).all()), "named_parameters generator")
+    hvd.broadcast_parameters(other.named_parameters(), root_rank=root)
+    torch.manual_seed(10 + root)
+    want = torch.nn.Linear(3, 4)
+    check(torch.equal(other.weight.detach(), want.weight.detach())
+          and torch.equal(other.bias.detach(), want.bias.detach()),
+          f"named_parameters generator: not rank {root}'s")
     with pytest.raises(ValueError, match="invalid params"):
         hvd.broadcast_parameters(42)
     with pytest.raises(ValueError, match="not a tensor"):

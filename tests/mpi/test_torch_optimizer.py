@@ -381,21 +381,36 @@ def test_wrapper_delegates_and_refuses_misuse() -> None:
         hvd.DistributedOptimizer(inner, op=hvd.Sum, gradient_predivide_factor=2.0)
 
 
+def shards(size: int) -> list[slice]:
+    """Each rank's rows of the batch (``np.array_split``'s, for any rank count)."""
+    bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(BATCH), size)])
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_skip_synchronize_for_clipping() -> None:
+    """After synchronize() every rank holds the average over ranks of their gradients
+    (each rank's loss is the mean over its shard), computed here on one process; the
+    step inside skip_synchronize() is plain SGD with it."""
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = data(0)
-    shard = BATCH // hvd.size()
-    mine = slice(hvd.rank() * shard, (hvd.rank() + 1) * shard)
-    loss_fn(model, x[mine], y[mine], 1.0 / shard).backward()
+    mine = shards(hvd.size())
+    loss_fn(model, x[mine[hvd.rank()]], y[mine[hvd.rank()]],
+            1.0 / (mine[hvd.rank()].stop - mine[hvd.rank()].start)).backward()
     opt.synchronize()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
-    norms = hvd.allgather_object(norm)
-    assert_all_ranks(hvd_comm(), np.allclose(norms, norms[0], rtol=1e-12),
-                     f"after synchronize() every rank holds the average: {norms}")
+    ref = make_model()
+    for rows in mine:  # the average over ranks of each rank's mean gradient
+        loss_fn(ref, x[rows], y[rows], 1.0 / ((rows.stop - rows.start) * hvd.size())).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert_close_all_ranks(grads, [p.grad for p in ref.parameters()], 1e-12,
+                           "after synchronize(): the average gradient")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # what it is for: no-op here
     with opt.skip_synchronize():
         opt.step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert_close_all_ranks([p.detach() for p in model.parameters()], list(ref.parameters()),
+                           1e-12, "the step with the averaged gradient")
     with pytest.warns(UserWarning, match="skip_synchronize"):
         opt.synchronize()
         opt.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from typing import Any
 
@@ -273,15 +274,15 @@ def test_measure_verifies_every_impl_and_variant_on_one_rank(
     case = Case(100, opts.dtype, opts.op, opts.root, 0, 1)
     results = harness.measure(opts, case, comm, world)
     keys = {r.key for r in results}
-    for impl in opts.impls:
-        assert (impl.label, False) in keys
-    assert ("mpi", True) in keys
+    for impl in opts.impls:  # broadcast takes no out=: its plain call is its only one
+        assert ((impl.label, False) in keys) != (impl.allocates and name == "broadcast")
+    assert ("mpi", True) in keys and not any(k[0].endswith("[alloc]") and k[1] for k in keys)
     assert all(r.wrong == 0 for r in results), results
     assert all(r.time_min_us <= r.time_us <= r.time_max_us for r in results)
 
 
 def wrong_allreduce(comm: mt.Communicator, algorithm: str, case: Case, data: Array,
-                    inplace: bool) -> Call:
+                    inplace: bool, allocates: bool) -> Call:
     """mpitrain's allreduce with one element off by one: what a buggy algorithm returns."""
 
     def run() -> Array:
@@ -296,7 +297,8 @@ def test_main_counts_a_wrong_mpitrain_result_and_fails(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(COLLECTIVES, "allreduce",
                         dataclasses.replace(COLLECTIVES["allreduce"], mpitrain=wrong_allreduce))
-    assert harness.main(["allreduce", "-b", "8", "-e", "64", "-f", "2", "-n", "2", "-w", "0"]) == 1
+    assert harness.main(["allreduce", "-b", "8", "-e", "64", "-f", "2", "-n", "2", "-w", "0",
+                         "--outputs", "given"]) == 1
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
     assert len(rows) == 4  # 8, 16, 32, 64 bytes
@@ -325,11 +327,38 @@ def test_main_prints_table_and_writes_json_and_plot(
     assert plot_path.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "allgather"])
+def test_the_alloc_column_times_the_plain_call(
+        name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``[alloc]`` calls the collective without ``out=`` (it allocates its result, as a
+    user's call does), the other column with a preallocated one; the summary prints the
+    cost of allocating at the smallest and the largest size."""
+    seen: list[bool] = []
+    call = getattr(mt.Communicator, name)
+
+    def spy(self: mt.Communicator, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("out") is not None)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(mt.Communicator, name, spy)
+    assert harness.main([name, "-b", "64", "-e", "1M", "-f", "128", "-n", "2", "-w", "0",
+                         "--no-inplace", "--impl", "mpitrain"]) == 0
+    assert True in seen and False in seen
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "mpitrain[alloc]" in line)
+    assert header.split()[1:] == ["mpitrain", "mpitrain[alloc]"]
+    assert re.search(r"# Allocating the result : [+-][\d.]+ us at 64 B .*; [+-][\d.]+ us at "
+                     r"1048576 B", out), out
+
+
 # -- options and table ----------------------------------------------------------------
 def test_algorithms_expand_into_mpitrain_columns() -> None:
     labels = [i.label for i in options("allreduce", "--algorithm", "ring,mpi").impls]
-    assert labels == ["mpitrain:ring", "mpitrain:mpi", "mpi"]
-    assert [i.label for i in options("allreduce").impls] == ["mpitrain", "mpi"]
+    assert labels == ["mpitrain:ring", "mpitrain:mpi", "mpitrain:ring[alloc]",
+                      "mpitrain:mpi[alloc]", "mpi"]
+    assert [i.label for i in options("allreduce").impls] == ["mpitrain", "mpitrain[alloc]", "mpi"]
+    assert [i.label for i in options("allreduce", "--outputs", "given").impls] == \
+        ["mpitrain", "mpi"]
     assert [i.label for i in options("allreduce", "--impl", "mpi").impls] == ["mpi"]
     assert options("allreduce", "--no-inplace").variants == [False]
 
@@ -339,6 +368,7 @@ def test_algorithms_expand_into_mpitrain_columns() -> None:
     ["-r", "1"],                   # one rank: root 1 does not exist
     ["--impl", "nccl"],
     ["-b", "1M", "-e", "1K"],
+    ["--outputs", "given,fresh"],
 ])
 def test_bad_options_exit_with_usage(extra: list[str]) -> None:
     with pytest.raises(SystemExit):
@@ -398,7 +428,7 @@ def test_main_module_sends_fusion_to_its_case_and_the_rest_to_the_harness(
 
 
 def test_table_row_shows_ratio_and_na() -> None:
-    opts = options("reduce_scatter")
+    opts = options("reduce_scatter", "--outputs", "given")
     table = harness.Table(opts.impls, opts.variants)
 
     def result(impl: str, inplace: bool, time_us: float) -> harness.Result:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import pytest
 from mpi4py import MPI
 
 from mpitrain.engine.negotiation import Negotiator, generated_name, is_generated
@@ -103,15 +104,19 @@ def test_only_generated_names_go_unnumbered() -> None:
     assert len(neg.known) == 1
 
 
-def test_stalled_names_are_reported_then_given_up(caplog: Any) -> None:
+def test_stalled_names_are_reported_then_given_up(caplog: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A name some ranks announced and others did not: warned past the warning (naming
     the missing ranks), proposed for giving up past the timeout, and given up (with
-    the entries a stopping rank never announced) by :meth:`Negotiator._abandon`."""
+    the entries a stopping rank never announced) by :meth:`Negotiator._abandon`. The
+    clock is the test's: it moves only when the test moves it."""
     import logging
     import time
 
-    from mpitrain.engine.negotiation import Agreement
+    from mpitrain.engine.negotiation import STALL_CHECK_S, Agreement
 
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     neg = negotiator()
     neg.size, neg.warning_s, neg.timeout_s = 3, 1.0, 5.0
     a = Spec("allreduce sum float32[4]")
@@ -120,16 +125,18 @@ def test_stalled_names_are_reported_then_given_up(caplog: Any) -> None:
     neg.cycle = 9
     neg._record(1, memoryview(pickle.dumps([("new", a.signature)])))
     neg._record(2, memoryview(pickle.dumps([("new", a.signature)])))
-    now = time.monotonic()
-    neg.born["old"] = (7, now - 6.0)  # past the timeout
-    neg.born["new"] = (9, now - 2.0)  # past the warning only
+    neg.born["old"] = (7, clock[0] - 6.0)  # past the timeout
+    neg.born["new"] = (9, clock[0] - 2.0)  # past the warning only
     with caplog.at_level(logging.WARNING, logger="mpitrain"):
         expire = neg._check_stalls([])
     assert expire == 7
     (record,) = caplog.records
     assert "'old' (allreduce sum float32[4]) has waited 6 s for rank(s) [1, 2]" in record.message
     assert "'new' (allreduce sum float32[4]) has waited 2 s for rank(s) [0]" in record.message
-    assert neg._check_stalls([]) == -1  # looked at most once a second
+    clock[0] += STALL_CHECK_S / 2
+    assert neg._check_stalls([]) == -1  # looked at most every STALL_CHECK_S
+    clock[0] += STALL_CHECK_S / 2
+    assert neg._check_stalls([]) == 7 and len(caplog.records) == 1  # again, warned once
     agreement = Agreement([], {}, False, False, 0)
     neg._abandon(agreement, expire, stopped=[])
     assert list(agreement.abandoned) == ["old"] and agreement.stalled == {"old"}
