@@ -90,7 +90,8 @@ demo: $(VENV)/.compiled
 
 # make bench: every collective at 2 and 4 ranks, 4 B..256 MiB, mpitrain (auto and each
 # algorithm, into a preallocated out= and as the plain call that allocates its result)
-# vs native MPI vs gloo; allreduce also in place, against native with tuned
+# vs native MPI vs gloo, and through torch.distributed on mpitrain's backend
+# (torch-mpitrain); allreduce also in place, against native with tuned
 # malloc thresholds, and at small sizes with and without validation; training steps
 # against torch DDP (python -m benchmarks train, float32 and fp16 gradients). Where the
 # ranks fit the cores (2 ranks here) the runs are plain `mpirun -np N`: one rank per
@@ -109,7 +110,7 @@ algorithms_of = $$($(PY) -c "from mpitrain.algorithms import ALGORITHMS as A; \
 bench: $(VENV)/.compiled
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch not installed: no gloo columns"
 	mkdir -p $(BENCH)
-	gloo=$$($(PY) -c "import torch" 2>/dev/null && echo ,gloo); \
+	gloo=$$($(PY) -c "import torch" 2>/dev/null && echo ,gloo,torch-mpitrain); \
 	for n in $(BENCH_RANKS); do \
 	  if [ $$n -le $$(nproc) ]; then run="$(BUSY)"; else run="$(RUN)"; fi; \
 	  for c in allreduce reduce_scatter allgather; do \

@@ -1,15 +1,20 @@
-"""torch.distributed's gloo backend, side by side with mpitrain and MPI.
+"""torch.distributed in the benchmarks: its gloo backend side by side with mpitrain and
+MPI, and mpitrain's own backend (``mpitrain.torch.distributed``) reached the way
+torch.distributed users reach it.
 
-Only used when ``--impl`` names ``gloo`` and torch is installed
-(``pip install torch==2.13.0``, the CPU wheel). :func:`init` starts a gloo process
-group over the ranks of the MPI job (rank 0 picks a free TCP port and broadcasts it),
-:func:`tensor` wraps a numpy buffer without a copy, and :func:`reduce_op` maps the
+Only used when torch is installed (``pip install torch==2.13.0``, the CPU wheel).
+:func:`init` starts a gloo process group over the ranks of the MPI job (rank 0 picks a
+free TCP port and broadcasts it), :func:`groups` the groups a run needs (gloo's, and/or
+one of mpitrain's backend), :class:`OnGroup` binds torch.distributed's calls to one of
+them, :func:`tensor` wraps a numpy buffer without a copy, and :func:`reduce_op` maps the
 harness's op names. gloo reduces neither unsigned types wider than 8 bits nor
-Min/Max of complex numbers: those columns print ``N/A``.
+Min/Max of complex numbers, and the tensor wrapping takes neither: those columns print
+``N/A``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import socket
 from typing import Any
@@ -43,8 +48,43 @@ def init(world: MPI.Intracomm) -> Any:
     return dist
 
 
+def groups(world: MPI.Intracomm, over_gloo: bool, over_mpitrain: bool) -> dict[str, Any]:
+    """The torch.distributed groups a run needs (collective over ``world``): ``gloo``
+    (the default group, :func:`init`) and ``mpitrain`` (a group of mpitrain's backend:
+    a new group beside gloo's, or the default group when gloo does not run)."""
+    found: dict[str, Any] = {}
+    if over_gloo:
+        found["gloo"] = init(world).group.WORLD
+    if over_mpitrain:
+        import torch.distributed as dist
+
+        import mpitrain.torch  # noqa: F401  (importing it registers the backend)
+
+        if dist.is_initialized():
+            found["mpitrain"] = dist.new_group(backend="mpitrain")
+        else:
+            dist.init_process_group("mpitrain", init_method="mpitrain://")
+            found["mpitrain"] = dist.group.WORLD
+    return found
+
+
+class OnGroup:
+    """torch.distributed with every function bound to one process group: ``OnGroup(g)
+    .all_reduce(t)`` is ``dist.all_reduce(t, group=g)``; a function torch does not have
+    raises ``AttributeError``, as the module does."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._dist, name), group=self.group)
+
+
 def finish() -> None:
-    """Tear down the process group of :func:`init`."""
+    """Tear down every process group of :func:`init` and :func:`groups`."""
     import torch.distributed as dist
 
     if dist.is_initialized():

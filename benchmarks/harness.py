@@ -24,7 +24,9 @@ in nccl-tests. The header gives the machine's memory-copy bandwidth ``B`` and th
 bandwidth bound of an algorithm that reads the other ranks' buffers directly
 (``B / direct_traffic * bus factor``), so the distance to the hardware is visible.
 Baselines: ``mpi`` (the MPI library's own collective) and ``gloo``
-(torch.distributed, :mod:`.gloo`). mpitrain's out-of-place calls are handed a
+(torch.distributed, :mod:`.gloo`); ``torch-mpitrain`` is mpitrain reached through
+torch.distributed (the same calls as the gloo column, on a group of mpitrain's backend),
+as DDP and FSDP users reach it. mpitrain's out-of-place calls are handed a
 preallocated ``out=``, as MPI's are; ``--outputs given,alloc`` (the default) adds the
 ``[alloc]`` columns: the plain call (``comm.allreduce(x)``), which allocates its result
 and pays the first touch of its pages, as a user's call does. ``--check on,off`` adds
@@ -42,7 +44,7 @@ import importlib.util
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,8 +76,12 @@ from .common import (
 )
 from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Call, Case, Collective, mpi_datatype
 
-IMPLS = ("mpitrain", "mpi", "gloo")
+IMPLS = ("mpitrain", "mpi", "gloo", "torch-mpitrain")
 BASELINES = ("mpi", "gloo")
+OURS = ("mpitrain", "torch-mpitrain")
+"""The implementations each baseline is compared with (a ``baseline/ours`` ratio column)."""
+OVER_TORCH = {"gloo": "gloo", "torch-mpitrain": "mpitrain"}
+"""The implementations run through torch.distributed, with their group's backend."""
 CHECKS = {"on": True, "off": False}
 OUTPUTS = {"given": False, "alloc": True}
 """``--outputs``: mpitrain's out-of-place result in a preallocated ``out=``, or allocated
@@ -137,7 +143,7 @@ def make_impls(names: Sequence[str], algorithms: Sequence[str],
     """
     impls = []
     for name in names:
-        if name in BASELINES:
+        if name != "mpitrain":  # a baseline, or mpitrain through torch.distributed
             impls.append(Impl(name, name, name))
             continue
         for check in checks:
@@ -175,8 +181,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                    help="reduction of allreduce and reduce_scatter (default sum)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast (default 0)")
     p.add_argument("--impl", type=_comma_list, default=["mpitrain", "mpi"],
-                   help="comma list of implementations: mpitrain, mpi, gloo (gloo needs "
-                        "torch; default mpitrain,mpi)")
+                   help="comma list of implementations: mpitrain, mpi, gloo, "
+                        "torch-mpitrain (mpitrain's torch.distributed backend); gloo and "
+                        "torch-mpitrain need torch; default mpitrain,mpi")
     p.add_argument("--check", type=_comma_list, default=["on"],
                    help="comma list of mpitrain's cross-rank validation settings, one set of "
                         "columns each: on, off (default on)")
@@ -222,8 +229,11 @@ def parse_args(argv: Sequence[str], nranks: int, quiet: bool = False) -> Options
     unknown = [name for name in a.impl if name not in IMPLS]
     if unknown or not a.impl:
         parser.error(f"--impl takes a comma list of {', '.join(IMPLS)}, got {a.impl}")
-    if "gloo" in a.impl and not gloo.available():
-        parser.error("--impl gloo needs torch: pip install torch==2.13.0")
+    over_torch = [name for name in a.impl if name in OVER_TORCH]
+    if over_torch and not gloo.available():
+        parser.error(f"--impl {','.join(over_torch)} needs torch: pip install torch==2.13.0")
+    if over_torch and a.array != "numpy":
+        parser.error(f"--impl {','.join(over_torch)} runs on host buffers only (--array numpy)")
     if not a.check or any(c not in CHECKS for c in a.check):
         parser.error(f"--check takes a comma list of on, off; got {','.join(a.check)}")
     if not a.outputs or any(o not in OUTPUTS for o in a.outputs):
@@ -280,13 +290,14 @@ class Result:
 
 
 def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intracomm,
-            unchecked: mt.Communicator | None = None, dist: Any = None,
+            unchecked: mt.Communicator | None = None, dists: Mapping[str, Any] | None = None,
             placement: Placement | None = None) -> list[Result]:
     """Measure memory, warm up, time and verify every implementation and variant at one size.
 
     Collective over ``world``; every rank returns the same results. ``unchecked`` runs
-    the ``[nocheck]`` columns, ``dist`` (torch.distributed with a gloo group) the gloo
-    ones. With device buffers (``placement``), ``mpi`` is MPI's own collective reached
+    the ``[nocheck]`` columns, ``dists`` (per implementation of :data:`OVER_TORCH`,
+    torch.distributed or an :class:`.gloo.OnGroup`) the ones through torch.distributed.
+    With device buffers (``placement``), ``mpi`` is MPI's own collective reached
     through mpitrain's ``mpi`` algorithm, which passes device pointers or stages whole
     buffers as this MPI library requires (:mod:`.arrays`).
     """
@@ -300,8 +311,9 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
                 ours = comm if impl.check else unchecked
                 assert ours is not None, "a [nocheck] column needs a communicator without checks"
                 call = coll.mpitrain(ours, impl.algorithm, case, data, inplace, impl.allocates)
-            elif impl.kind == "gloo":
-                call = coll.gloo(dist, case, data, inplace)
+            elif impl.kind in OVER_TORCH:
+                assert dists is not None, f"the {impl.kind} column needs its process group"
+                call = coll.dist(dists[impl.kind], case, data, inplace)
             else:
                 call = coll.mpi(world, case, data, inplace)
             if call is not None:
@@ -353,7 +365,7 @@ _NA = "N/A"
 def ratio_pairs(impls: Sequence[Impl]) -> list[tuple[str, str]]:
     """``(baseline label, mpitrain label)`` for each ``baseline/mpitrain`` ratio column."""
     baselines = [i.label for i in impls if i.kind in BASELINES]
-    return [(b, i.label) for b in baselines for i in impls if i.kind == "mpitrain"]
+    return [(b, i.label) for b in baselines for i in impls if i.kind in OURS]
 
 
 class Table:
@@ -490,6 +502,9 @@ def header_block(opts: Options, command: str, machine: dict[str, Any],
         native += f", reducing {opts.dtype} with a user-defined MPI op (numpy)"
     if any(i.kind == "gloo" for i in opts.impls):
         native += "; gloo = torch.distributed's gloo backend"
+    if any(i.kind == "torch-mpitrain" for i in opts.impls):
+        native += ("; torch-mpitrain = the same torch.distributed calls on a group of "
+                   "mpitrain's backend")
     lines = [
         f"# mpitrain benchmark: {opts.collective.name}",
         f"# command   : {command}",
@@ -599,7 +614,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unchecked = mt.Communicator(MPI.COMM_WORLD, check=False) \
         if any(i.kind == "mpitrain" and not i.check for i in opts.impls) else None
     world = MPI.COMM_WORLD.Dup()
-    dist = gloo.init(world) if any(i.kind == "gloo" for i in opts.impls) else None
+    kinds = {i.kind for i in opts.impls}
+    groups = gloo.groups(world, "gloo" in kinds, "torch-mpitrain" in kinds)
+    dists = {kind: gloo.OnGroup(groups[backend]) for kind, backend in OVER_TORCH.items()
+             if backend in groups}
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:
@@ -628,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if count == 0:
             continue
         case = Case(count, opts.dtype, opts.op, opts.root, rank, nranks)
-        row = measure(opts, case, comm, world, unchecked, dist, placement)
+        row = measure(opts, case, comm, world, unchecked, dists, placement)
         trailing = []
         if copies:
             size = row[0].size
@@ -646,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_json(opts.json, opts, command, machine, results, extra)
         if opts.plot:
             write_plot(opts.plot, opts, machine, results)
-    if dist is not None:
+    if groups:
         gloo.finish()
     world.Free()
     comm.free()

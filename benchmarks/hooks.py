@@ -79,7 +79,7 @@ class Call:
 
 PrepareMpitrain = Callable[[mt.Communicator, str, Case, Array, bool, bool], Optional[Call]]
 PrepareMpi = Callable[[MPI.Intracomm, Case, Array, bool], Optional[Call]]
-PrepareGloo = Callable[[Any, Case, Array, bool], Optional[Call]]
+PrepareDist = Callable[[Any, Case, Array, bool], Optional[Call]]
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,10 @@ class Collective:
             calls are; ``None`` when mpitrain has no such variant (the table prints
             ``N/A``).
         mpi: ``(comm, case, data, inplace) -> Call`` with mpi4py's own collectives.
-        gloo: ``(torch.distributed, case, data, inplace) -> Call`` with the gloo backend
-            (:mod:`benchmarks.gloo`); ``None`` where gloo has no such call.
+        dist: ``(torch.distributed, case, data, inplace) -> Call`` with
+            torch.distributed's call on its default group (gloo) or on a
+            :class:`benchmarks.gloo.OnGroup` (mpitrain's backend); ``None`` where the
+            backend has no such call.
         direct_traffic: ``nranks -> bytes of memory traffic per byte of size`` of an
             algorithm that reads the other ranks' buffers directly (the hardware bound
             printed next to the bus bandwidth).
@@ -118,7 +120,7 @@ class Collective:
     expected: Callable[[Case], Array]
     mpitrain: PrepareMpitrain
     mpi: PrepareMpi
-    gloo: PrepareGloo
+    dist: PrepareDist
     direct_traffic: Callable[[int], float]
 
 

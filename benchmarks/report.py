@@ -113,6 +113,9 @@ def human_time(us: float) -> str:
 
 
 def _short(label: str) -> str:
+    """mpitrain's columns by their algorithm (``auto``, ``ring``, ...); others as they are."""
+    if not label.startswith("mpitrain"):
+        return label
     return label.replace("mpitrain:", "").replace("mpitrain", "auto")
 
 

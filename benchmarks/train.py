@@ -400,21 +400,9 @@ IMPL_TEXT = {"1 rank": "plain SGD on rank 0 alone", "mpitrain": "hvd.Distributed
 
 
 def process_groups(opts: TrainOptions, world: MPI.Intracomm) -> dict[str, Any]:
-    """The torch.distributed groups the implementations need (collective): ``gloo`` (the
-    default group, :func:`.gloo.init`) and ``mpitrain`` (a group of mpitrain's backend:
-    a new group beside gloo's, or the default group when gloo does not run)."""
-    groups: dict[str, Any] = {}
-    if opts.over_gloo:
-        groups["gloo"] = gloo.init(world).group.WORLD
-    if opts.over_backend:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            groups["mpitrain"] = dist.new_group(backend="mpitrain")
-        else:
-            dist.init_process_group("mpitrain", init_method="mpitrain://")
-            groups["mpitrain"] = dist.group.WORLD
-    return groups
+    """The torch.distributed groups the implementations need (collective):
+    :func:`.gloo.groups`."""
+    return gloo.groups(world, opts.over_gloo, opts.over_backend)
 
 
 # -- timing ---------------------------------------------------------------------------

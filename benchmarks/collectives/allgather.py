@@ -72,7 +72,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, reset_in_place if inplace else functools.partial(poison, out))
 
 
-def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = np.empty(case.count * case.nranks, case.dtype)
     source, target = gloo.tensor(data), gloo.tensor(out)
     if inplace or source is None or target is None:
@@ -88,5 +88,5 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
 
 COLLECTIVE = Collective(name="allgather", reduces=False, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, dist=_dist,
                         direct_traffic=lambda n: 2 * (n - 1))

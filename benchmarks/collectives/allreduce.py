@@ -83,7 +83,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, restore(out, data) if inplace else functools.partial(poison, out))
 
 
-def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = data.copy()
     tensor = gloo.tensor(out)
     if tensor is None:
@@ -91,7 +91,7 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     op, average = gloo.reduce_op(case.op), case.op == "avg"
 
     def run() -> Array:
-        if not inplace:  # gloo reduces in place: out-of-place costs a copy first
+        if not inplace:  # torch.distributed reduces in place: out-of-place copies first
             np.copyto(out, data)
         dist.all_reduce(tensor, op=op)
         if average:
@@ -103,5 +103,5 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
 
 COLLECTIVE = Collective(name="allreduce", reduces=True, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, dist=_dist,
                         direct_traffic=lambda n: 3 * n - 1)

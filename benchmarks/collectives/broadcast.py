@@ -82,7 +82,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return _baseline(lambda root: comm.Bcast(buf, root), out, case, data, inplace)
 
 
-def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = data.copy() if inplace else np.empty_like(data)
     tensor = gloo.tensor(out)
     if tensor is None:
@@ -92,5 +92,5 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
 
 COLLECTIVE = Collective(name="broadcast", reduces=False, rooted=True, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, dist=_dist,
                         direct_traffic=lambda n: 2 * (n - 1))

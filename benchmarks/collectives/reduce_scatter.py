@@ -81,7 +81,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
     return Call(run, restore(buf, data) if inplace else functools.partial(poison, out))
 
 
-def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
+def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = np.empty(case.count, case.dtype)
     source, target = gloo.tensor(data), gloo.tensor(out)
     if inplace or source is None or target is None:
@@ -100,5 +100,5 @@ def _gloo(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
 
 COLLECTIVE = Collective(name="reduce_scatter", reduces=True, rooted=False, count=_count,
                         size=_size, bus_factor=_bus_factor, make_input=_make_input,
-                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, gloo=_gloo,
+                        expected=_expected, mpitrain=_mpitrain, mpi=_mpi, dist=_dist,
                         direct_traffic=lambda n: n + 1)

@@ -1,5 +1,6 @@
-"""The harness's baselines and measurements beyond the table: gloo columns, columns
-without validation, peak memory, copy bandwidth, and the BENCHMARKS.md report."""
+"""The harness's baselines and measurements beyond the table: gloo columns, mpitrain
+through torch.distributed, columns without validation, peak memory, copy bandwidth,
+and the BENCHMARKS.md report."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ from benchmarks.hooks import Case
 @pytest.fixture(scope="module")
 def comms() -> Any:
     """A validating and a non-validating communicator and a duplicate, over COMM_SELF,
-    and torch.distributed with a one-rank gloo group when torch is installed."""
+    and, when torch is installed, torch.distributed on a one-rank gloo group and on a
+    group of mpitrain's backend (the harness's ``dists``)."""
     comm = mt.Communicator(MPI.COMM_SELF, check=True)
     unchecked = mt.Communicator(MPI.COMM_SELF, check=False)
     world = MPI.COMM_SELF.Dup()
-    dist = gloo.init(world) if gloo.available() else None
-    yield comm, unchecked, world, dist
-    if dist is not None:
+    groups = gloo.groups(world, True, True) if gloo.available() else {}
+    dists = {kind: gloo.OnGroup(groups[backend])
+             for kind, backend in harness.OVER_TORCH.items() if backend in groups}
+    yield comm, unchecked, world, dists
+    if groups:
         gloo.finish()
     for c in (comm, unchecked):
         c.free()
@@ -35,18 +39,56 @@ def comms() -> Any:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint32"])
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_every_baseline_and_check_column_verifies(comms: Any, name: str, dtype: str) -> None:
-    comm, unchecked, world, dist = comms
-    impls = "mpitrain,mpi,gloo" if dist is not None else "mpitrain,mpi"
+    comm, unchecked, world, dists = comms
+    impls = "mpitrain,mpi,gloo,torch-mpitrain" if dists else "mpitrain,mpi"
     opts = harness.parse_args([name, "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-d", dtype,
                                "-o", "avg", "--impl", impls, "--check", "on,off"], nranks=1)
     case = Case(16, opts.dtype, opts.op, opts.root, 0, 1)
-    results = harness.measure(opts, case, comm, world, unchecked, dist)
+    results = harness.measure(opts, case, comm, world, unchecked, dists)
     labels = {r.impl for r in results}
     assert {"mpitrain", "mpitrain[nocheck]", "mpi"} <= labels
-    if dist is not None and dtype != "uint32":  # gloo does not reduce wide unsigned types
-        assert "gloo" in labels
+    if dists and dtype != "uint32":  # torch wraps no wide unsigned numpy array
+        assert {"gloo", "torch-mpitrain"} <= labels
     assert all(r.wrong == 0 for r in results), results
     assert all(r.extra_mib >= 0 or r.extra_mib == memory.UNKNOWN for r in results)
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_the_torch_mpitrain_column_calls_torch_on_mpitrain_backend(
+        comms: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch-mpitrain`` makes the gloo column's torch.distributed call, on a group of
+    mpitrain's backend; its result is verified like every column's."""
+    comm, unchecked, world, dists = comms
+    if not dists:
+        pytest.skip("needs torch")
+    import torch.distributed as dist
+
+    seen: list[str] = []
+    for function in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+                     "all_gather_into_tensor", "all_gather_single", "broadcast"):
+        real = getattr(dist, function, None)
+        if real is None:  # the *_single calls are not in every torch
+            continue
+
+        def spy(*args: Any, real: Any = real, group: Any = None, **kwargs: Any) -> Any:
+            seen.append(dist.get_backend(group))
+            return real(*args, group=group, **kwargs)
+
+        monkeypatch.setattr(dist, function, spy)
+    opts = harness.parse_args([name, "-b", "64", "-e", "64", "-n", "2", "-w", "1",
+                               "--impl", "gloo,torch-mpitrain"], nranks=1)
+    case = Case(16, opts.dtype, opts.op, opts.root, 0, 1)
+    results = harness.measure(opts, case, comm, world, unchecked, dists)
+    assert {r.impl for r in results} == {"gloo", "torch-mpitrain"}
+    assert all(r.wrong == 0 for r in results), results
+    assert set(seen) == {"gloo", "mpitrain"}
+    assert harness.ratio_pairs(opts.impls) == [("gloo", "torch-mpitrain")]
+
+
+def test_torch_columns_refuse_device_buffers() -> None:
+    with pytest.raises(SystemExit):
+        harness.parse_args(["allreduce", "--impl", "mpitrain,torch-mpitrain", "--array", "cupy"],
+                           nranks=1, quiet=True)
 
 
 def test_make_impls_expands_checks_and_keeps_baselines() -> None:
