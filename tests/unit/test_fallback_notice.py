@@ -65,3 +65,26 @@ def test_init_says_it_once(silenced: bool) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
     lines = [line for line in done.stderr.splitlines() if "pure-Python fallback" in line]
     assert len(lines) == (0 if silenced else 1), done.stderr
+
+
+DEBUG_SCRIPT = """
+import numpy as np
+import mpitrain as mt
+comm = mt.init()
+for _ in range(3):
+    comm.allreduce(np.ones(8, np.float32))
+print("done")
+"""
+
+
+def test_log_level_debug_prints_rank_tagged_choices_once() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPITRAIN_")}
+    env.update(PYTHONPATH=str(ROOT), MPITRAIN_LOG_LEVEL="debug", MPITRAIN_FALLBACK_NOTICE="0")
+    done = subprocess.run([sys.executable, "-c", DEBUG_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    choices = [line for line in done.stderr.splitlines() if "allreduce of 32 B" in line]
+    assert len(choices) == 1, done.stderr
+    assert choices[0].startswith("[rank 0] mpitrain DEBUG: mpitrain rank 0: allreduce of 32 B "
+                                 "of float32 on numpy buffers: algorithm "), choices
+    assert "a communicator of 1 rank(s) on 1 node(s)" in done.stderr
