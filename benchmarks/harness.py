@@ -71,6 +71,7 @@ from .common import (
     format_size,
     machine_info,
     parse_size,
+    program_name,
     size_series,
     time_calls,
 )
@@ -158,9 +159,17 @@ def make_impls(names: Sequence[str], algorithms: Sequence[str],
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks``."""
-    p = OneRankParser(quiet, prog="python -m benchmarks",
-                      description="Time and verify mpitrain collectives against MPI's own, "
-                                  "nccl-tests style. Run under mpirun.")
+    prog = program_name()
+    p = OneRankParser(
+        quiet, prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time and verify mpitrain collectives against MPI's own, nccl-tests "
+                    "style, on every rank of an MPI job.",
+        epilog=f"Example:\n  mpitrain-run -np 2 {prog} allreduce -b 8 -e 64M --impl mpitrain,mpi"
+               f"\n\nThe other benchmarks of {prog}:\n"
+               f"  {prog} fusion -h    fused async allreduces against one buffer and "
+               "blocking calls\n"
+               f"  {prog} train -h     training steps against torch DDP (needs torch)\n"
+               f"  {prog} latency -h   small-message latency against native MPI")
     p.add_argument("collective", choices=sorted(COLLECTIVES),
                    help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),

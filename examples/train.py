@@ -1,6 +1,6 @@
 """Train an MLP on scikit-learn's digits with PyTorch, data-parallel over MPI ranks.
 
-    mpirun -np 4 python examples/train.py [--epochs 20] [--checkpoint DIR] [--timeline t.json]
+    mpitrain-run -np 4 python examples/train.py [--epochs 20] [--checkpoint DIR] [--timeline t.json]
 
 A Horovod script in all but the import line: ``import mpitrain.torch as hvd``.
 Each rank trains on its shard of every epoch (DistributedSampler), gradients are

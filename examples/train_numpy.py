@@ -1,6 +1,6 @@
 """Train an MLP on scikit-learn's digits with numpy only, data-parallel over MPI ranks.
 
-    mpirun -np 4 python examples/train_numpy.py [--epochs 30] [--checkpoint DIR]
+    mpitrain-run -np 4 python examples/train_numpy.py [--epochs 30] [--checkpoint DIR]
 
 The model's backward pass announces each layer's gradients to the
 DistributedOptimizer as soon as they are computed (last layer first), so their

@@ -2,8 +2,8 @@
 
 Run it under the launcher with the rank count (and placement) of the jobs to tune::
 
-    mpirun -np 8 mpitrain-tune -o tuning.json
-    MPITRAIN_TUNING_FILE=tuning.json mpirun -np 8 python train.py
+    mpitrain-run -np 8 mpitrain-tune -o tuning.json
+    MPITRAIN_TUNING_FILE=tuning.json mpitrain-run -np 8 python train.py
 
 For every collective and message size it times every algorithm this communicator can
 run (the MPI library's own collective included), interleaved, and takes the median of
@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mpitrain-tune",
         description="Measure the fastest algorithm per collective and size on this "
-                    "cluster and write a tuning file for MPITRAIN_TUNING_FILE. Run under "
-                    "mpirun with the rank count of the jobs to tune.")
+                    "cluster and write a tuning file for MPITRAIN_TUNING_FILE. Run it with "
+                    "the rank count of the jobs to tune.",
+        epilog="Example: mpitrain-run -np 8 mpitrain-tune -o tuning.json; then "
+               "MPITRAIN_TUNING_FILE=tuning.json mpitrain-run -np 8 python train.py")
     p.add_argument("-o", "--output", default="mpitrain-tuning.json",
                    help="tuning file to write (default mpitrain-tuning.json)")
     p.add_argument("--append", action="store_true",

@@ -315,7 +315,8 @@ def test_main_prints_table_and_writes_json_and_plot(
             "--json", str(json_path), "--plot", str(plot_path)]
     assert harness.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"# command   : mpirun -np 1 python -m benchmarks {' '.join(argv)}" in out
+    # a lone unpinned rank, as mpitrain-run starts it
+    assert f"mpitrain-run -np 1 python -m benchmarks {' '.join(argv)}\n" in out
     assert "# Out of bounds values : 0 OK" in out
     doc = json.loads(json_path.read_text())
     assert doc["command"].endswith(" ".join(argv))
