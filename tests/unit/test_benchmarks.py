@@ -455,3 +455,31 @@ def test_plot_without_matplotlib_is_refused_before_measuring(
     with pytest.raises(SystemExit) as exit_info:
         harness.parse_args(["allreduce", "--plot", "x.png"], 2, quiet=True)
     assert exit_info.value.code == 2
+
+
+def test_the_spread_table_has_min_avg_median_max_per_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert harness.main(["allreduce", "-b", "8", "-e", "16", "-n", "3", "-w", "0",
+                         "--outputs", "given", "--no-inplace"]) == 0
+    out = capsys.readouterr().out
+    spread = out.split("# Spread of the timed runs (us): min/avg/median/max", 1)[1]
+    lines = spread.splitlines()[1:4]
+    assert lines[0].split()[-2:] == ["mpitrain", "mpi"]
+    for size, line in zip(("8", "16"), lines[1:]):
+        cells = line.lstrip("#").split()
+        assert cells[0] == size
+        for cell in cells[1:]:
+            low, mean, median, high = map(float, cell.split("/"))
+            assert low <= median <= high and low <= mean <= high
+
+
+def test_the_per_call_cost_is_only_called_so_at_small_sizes() -> None:
+    def result(size: int, impl: str, us: float) -> harness.Result:
+        return harness.Result(size, size // 4, "float32", "sum", -1, impl, False, us, us, us,
+                              0.0, 0.0, 0)
+
+    small = [result(8, "mpitrain", 30.0), result(8, "mpi", 20.0)]
+    assert harness.overhead_lines(small)[0].startswith("# Per-call cost at 8 B : ")
+    large = [result(1 << 20, "mpitrain", 900.0), result(1 << 20, "mpi", 1000.0)]
+    line = harness.overhead_lines(large)[0]
+    assert "Per-call cost" not in line and line.startswith("# Smallest size, 1048576 B : ")
