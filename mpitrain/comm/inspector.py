@@ -189,6 +189,12 @@ class Inspector:
         return f"{limits}; {serving}"
 
     @property
+    def watching(self) -> bool:
+        """True while the daemon watches this inspector's transport: it then warns (and
+        aborts) for every wait the transport flags, a shared-memory barrier's included."""
+        return self.comm is not None and not self.stopped and _SERVER.running()
+
+    @property
     def raises(self) -> bool:
         """True if a stall past the timeout raises StallError in the waiting thread."""
         return self.timeout_s > 0 and self.action == "raise"
