@@ -56,9 +56,11 @@ def shard_test_set(x: np.ndarray, y: np.ndarray, rank: int, size: int) -> tuple[
 class ProgressBar:
     """One epoch's progress, shown by rank 0 only (``enabled``).
 
-    On a terminal, a tqdm bar (steps, rate, loss) that is erased when the epoch ends.
-    Then, on a terminal or not, one plain line per epoch: logs, pipes and mpirun's
-    forwarded output get only those lines, never a bar redrawn with carriage returns.
+    On a terminal, a tqdm bar (steps, rate, loss) that stays on the screen, complete, when
+    the epoch ends (an epoch of the digits takes a tenth of a second: a bar erased at its
+    end would never be seen). Then, on a terminal or not, one plain line per epoch: logs,
+    pipes and mpirun's forwarded output get only those lines, never a bar redrawn with
+    carriage returns.
     """
 
     def __init__(self, epoch: int, epochs: int, total: int, enabled: bool):
@@ -66,7 +68,7 @@ class ProgressBar:
         self.total, self.enabled = total, enabled
         self.start = time.perf_counter()
         self.bar = tqdm(total=total, desc=self.prefix, unit="step", file=sys.stdout,
-                        leave=False, disable=not (enabled and sys.stdout.isatty()))
+                        leave=True, disable=not (enabled and sys.stdout.isatty()))
 
     def update(self, done: int, loss: float) -> None:
         """Move the bar to ``done`` of ``total`` steps, showing the last batch's ``loss``."""
@@ -75,7 +77,8 @@ class ProgressBar:
             self.bar.update(done - self.bar.n)
 
     def finish(self, summary: str) -> None:
-        """Erase the bar and print the epoch's line, ending with ``summary``."""
+        """Close the bar (it stays, complete) and print the epoch's line, ending with
+        ``summary``."""
         self.bar.close()
         if self.enabled:
             print(f"{self.prefix}: {self.total} steps in {time.perf_counter() - self.start:.1f}s, "

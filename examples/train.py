@@ -51,7 +51,8 @@ def main() -> None:
         sampler.load_state_dict(ckpt.state["extra"]["sampler"])
         first_epoch = ckpt.state["extra"]["epoch"] + 1
         if hvd.rank() == 0:
-            print(f"resumed from {ckpt.path} (epoch {first_epoch} of {args.epochs})",
+            print(f"resumed from {ckpt.path} (after epoch {first_epoch} of {args.epochs}; "
+                  f"training epochs {first_epoch + 1} to {args.epochs})",
                   flush=True)
     else:  # start every rank from rank 0's weights and optimizer state
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -43,7 +43,7 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     code, out = run(2, [sys.executable, script, "--epochs", "2", *args], 300,
                     OMP_NUM_THREADS="1")
     assert code == 0, out
-    assert "resumed from" in out and "epoch 1 of 2" in out, out
+    assert "resumed from" in out and "(after epoch 1 of 2; training epochs 2 to 2)" in out, out
     assert "epoch 1/2" not in out and "epoch 2/2" in out, out
     accuracy = float(re.search(r"test accuracy: (0\.\d{4})", out).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.5, f"two epochs should beat chance by far: {accuracy}"
@@ -108,6 +108,9 @@ def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line() -> None:
     text = raw.decode().replace("\r\n", "\n")  # the terminal ends lines with \r\n
     assert re.search(r"\repoch 1/3:  *\d+%\|", text), text  # tqdm's bar, drawn in place
     shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]  # what stays on screen
-    assert [line for line in shown if line.startswith("epoch")] == [
-        line for line in shown if re.fullmatch(EPOCH_LINE.format("[123]", 1), line)], text
-    assert len([line for line in shown if line.startswith("epoch")]) == 3, text
+    epochs = [line for line in shown if line.startswith("epoch")]
+    # per epoch the bar stays, complete, then the epoch's line
+    assert len(epochs) == 6, text
+    for i, (bar, line) in enumerate(zip(epochs[::2], epochs[1::2]), 1):
+        assert re.match(rf"epoch {i}/3: 100%\|", bar), text
+        assert re.fullmatch(EPOCH_LINE.format(i, 1), line), text
