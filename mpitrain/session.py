@@ -9,6 +9,7 @@ default communicator (the trainer, elastic recovery, checkpoints) reads it here 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,11 @@ def shutdown() -> None:
 def default_communicator() -> Communicator:
     """The communicator of :func:`init`; raises if :func:`init` was not called."""
     if _default is None:
-        raise NotInitializedError("mpitrain is not initialised: call mpitrain.init() first")
+        # a Horovod script (import mpitrain.torch as hvd) knows the call as hvd.init()
+        how = ("hvd.init() (mpitrain.torch's init) first" if "mpitrain.torch" in sys.modules
+               else "mpitrain.init() first")
+        raise NotInitializedError(f"rank {MPI.COMM_WORLD.Get_rank()}: mpitrain is not "
+                                  f"initialised: call {how}")
     return _default
 
 

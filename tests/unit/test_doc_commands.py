@@ -131,3 +131,9 @@ def test_a_shown_command_runs_as_pasted(where: str, command: str, words: list[st
     assert as_root and quiet, (
         f"{where}: {command!r} fails as root or prints the OSC UCX error; show "
         "`mpitrain-run -np N ...`, or add --allow-run-as-root and --mca osc ^ucx")
+
+
+def test_from_horovod_says_where_adasum_runs() -> None:
+    row = next(line for line in (ROOT / "docs" / "from-horovod.md").read_text(
+        encoding="utf-8").splitlines() if line.startswith("| `Average`, `Sum`"))
+    assert "NotImplementedError" not in row and "adasum.md" in row, row
