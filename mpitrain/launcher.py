@@ -14,6 +14,8 @@
 * ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
   ``PYTHONPATH`` that are set here, and horovodrun's flags (``--fusion-threshold-mb``,
   ``--cycle-time-ms``, ``--timeline-filename``, ``--log-level``) as ``MPITRAIN_*``;
+  started from a terminal, its width as ``COLUMNS`` (a rank's terminal is Open MPI's
+  pseudo-terminal, which has no size: progress bars need it);
 * ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
   this Python interpreter, and a command installed next to it (a console script such as
   ``mpitrain-bench``) runs from there, whether its environment is activated or not;
@@ -169,7 +171,8 @@ def exports_of(job: Job) -> list[str]:
     """The ``-x`` arguments, one per variable: the user's ``-x`` (the last of a name
     wins), the ``MPITRAIN_*`` variables and ``PYTHONPATH`` set here, the launcher's
     settings and ``MPITRAIN_ELASTIC=1`` (over any of those), and torchrun's
-    ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here."""
+    ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here; ``COLUMNS``, the
+    width of the terminal this launcher writes to, where it writes to one."""
     settings = dict(job.settings)
     if job.elastic:
         settings["MPITRAIN_ELASTIC"] = "1"
@@ -185,12 +188,26 @@ def exports_of(job: Job) -> list[str]:
     for name, value in settings.items():
         chosen.pop(name, None)
         chosen[name] = f"{name}={value}"
+    columns = terminal_columns()
+    if columns and "COLUMNS" not in chosen:  # the ranks' terminal is Open MPI's, sizeless
+        chosen["COLUMNS"] = f"COLUMNS={columns}"
     torch_defaults: dict[str, Callable[[], object]] = {
         "MASTER_ADDR": lambda: first_host(job), "MASTER_PORT": free_port}
     for name, default in torch_defaults.items():
         if name not in chosen:
             chosen[name] = name if name in os.environ else f"{name}={default()}"
     return list(chosen.values())
+
+
+def terminal_columns() -> int:
+    """The width of the terminal this launcher writes to (0: stdout is no terminal, or
+    ``COLUMNS`` is set already and exported as any variable)."""
+    if "COLUMNS" in os.environ or not sys.stdout.isatty():
+        return 0
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except OSError:
+        return 0
 
 
 def user_sets_mca(job: Job, parameter: str) -> bool:

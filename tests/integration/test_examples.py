@@ -84,20 +84,29 @@ def test_progress_under_mpirun_is_one_line_per_epoch_from_rank_0() -> None:
     raw = read_all(proc, proc.stdout.fileno(), 300)
     assert proc.returncode == 0, raw
     assert b"\r" not in raw, raw  # no bar redrawn in place: the output is a pipe
+    assert b"\n\n" not in raw, raw  # nor the empty line of a bar that could not be drawn
     epochs = [line for line in raw.decode().splitlines() if line.startswith("epoch")]
     assert len(epochs) == 3, raw  # rank 0's lines only
     for i, line in enumerate(epochs, 1):
         assert re.fullmatch(EPOCH_LINE.format(i, 2), line), line
 
 
-def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line() -> None:
+@pytest.mark.parametrize("launched", [False, True], ids=["python", "mpitrain-run"])
+def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line(launched: bool) -> None:
+    """On a terminal the bar is drawn and stays; through mpitrain-run too, whose ranks
+    write to Open MPI's sizeless pseudo-terminal (the launcher passes the width on)."""
     pytest.importorskip("sklearn")
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_numpy.py"),
-                             "--epochs", "3", "--batch-size", "32"], stdin=subprocess.DEVNULL,
+    script = [sys.executable, str(ROOT / "examples" / "train_numpy.py"), "--epochs", "3",
+              "--batch-size", "32"]
+    if launched:
+        script = [sys.executable, "-m", "mpitrain.run", "-np", "2", *script]
+        env["MPITRAIN_FALLBACK_NOTICE"] = "0"
+    ranks = 2 if launched else 1
+    proc = subprocess.Popen(script, stdin=subprocess.DEVNULL,
                             stdout=secondary, stderr=secondary, env=env, start_new_session=True)
     os.close(secondary)
     try:
@@ -113,4 +122,18 @@ def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line() -> None:
     assert len(epochs) == 6, text
     for i, (bar, line) in enumerate(zip(epochs[::2], epochs[1::2]), 1):
         assert re.match(rf"epoch {i}/3: 100%\|", bar), text
-        assert re.fullmatch(EPOCH_LINE.format(i, 1), line), text
+        assert re.fullmatch(EPOCH_LINE.format(i, ranks), line), text
+
+
+def test_train_refuses_cuda_without_a_gpu_on_every_rank() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/mpi/test_torch_cuda.py covers training on it")
+    code, out = run(2, [sys.executable, str(ROOT / "examples" / "train.py"), "--device", "cuda",
+                        "--epochs", "1"], 120, OMP_NUM_THREADS="1")
+    assert code != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: --device cuda needs a GPU and a CUDA build of torch" in out, out
