@@ -154,9 +154,10 @@ lint: $(VENV)/.installed
 # The documentation site (mkdocs.yml, docs/) into site/, every warning an error: broken
 # links, docstrings mkdocstrings cannot read. The settings table and the benchmark
 # results page are generated from mpitrain/config.py and BENCHMARKS.md
-# (tools/mkdocs_hooks.py).
-$(VENV)/.docs: $(VENV)/.installed setup.py
-	$(PY) -m pip install -q -e '.[docs]'
+# (tools/mkdocs_hooks.py). Only the docs extra's tools are installed: the site reads the
+# sources, so nothing of mpitrain is reinstalled or compiled for it.
+$(VENV)/.docs: $(VENV)/.installed pyproject.toml
+	$(PY) tools/extra_requirements.py docs | xargs $(PY) -m pip install -q
 	touch $@
 
 docs: $(VENV)/.docs

@@ -181,10 +181,12 @@ YIELD_VALUES = {"mpi_yield_when_idle": "1", "threads_pthreads_yield_strategy": "
 
 
 def program_name() -> str:
-    """How this benchmark was started: ``mpitrain-bench`` (the installed command) or
-    ``python -m benchmarks`` (from a clone); what its ``--help`` calls it."""
+    """How this benchmark was started: ``mpitrain-bench`` (the installed command), else
+    ``python -m`` this package (``benchmarks`` in a clone, ``mpitrain.benchmarks`` where
+    a wheel installed it); what its ``--help`` and its command line call it."""
+    package = __package__ or "benchmarks"
     return "mpitrain-bench" if Path(sys.argv[0]).name == "mpitrain-bench" \
-        else "python -m benchmarks"
+        else f"python -m {package}"
 
 
 def bound_to_cores() -> bool:
@@ -215,7 +217,7 @@ def command_line(argv: Sequence[str], nranks: int) -> str:
     yielding = [name for name in YIELD_MCA if f"OMPI_MCA_{name}" in os.environ]
     crowded = nranks > (os.cpu_count() or 1)
     bound = bound_to_cores()
-    program = f"-np {nranks} python -m benchmarks {shlex.join(argv)}".rstrip()
+    program = f"-np {nranks} {program_name()} {shlex.join(argv)}".rstrip()
     if not bound and bool(yielding) == crowded and \
             all(os.environ[f"OMPI_MCA_{name}"] == value for name, value in YIELD_VALUES.items()
                 if name in yielding):
