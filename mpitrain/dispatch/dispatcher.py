@@ -129,8 +129,8 @@ class Dispatcher:
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
-        # (collective, requested, buffer, dtype) -> the algorithm last logged for them
-        self._logged: dict[tuple[Any, ...], str] = {}
+        # (collective, requested, buffer, dtype, algorithm) of the choices logged
+        self._logged: set[tuple[Any, ...]] = set()
         # per kind: (dtype, shape, op, algorithm) -> the plan, or None (the general path)
         self._small: dict[tuple[Any, ...], SmallAllreduce | None] = {}
         self._small_rs: dict[tuple[Any, ...], SmallReduceScatter | None] = {}
@@ -253,12 +253,12 @@ class Dispatcher:
 
     def _log_choice(self, collective: str, requested: str | None, nbytes: int,
                     be: ArrayBackend, dt: np.dtype[Any], choice: str) -> None:
-        """Log (DEBUG) the algorithm chosen for a kind of call when it differs from the
-        one last logged for that kind: once per new choice, not per call or size."""
-        kind = (collective, requested, be.name, dt)
-        if self._logged.get(kind) == choice:
+        """Log (DEBUG) the algorithm chosen for a kind of call the first time it is
+        chosen for that kind: once per new choice, not per call or size."""
+        kind = (collective, requested, be.name, dt, choice)
+        if kind in self._logged:
             return
-        self._logged[kind] = choice
+        self._logged.add(kind)
         name = (requested or self.settings.algorithm).lower()
         why = ("algorithm=" if requested and name == choice else
                "MPITRAIN_ALGORITHM" if name == choice else

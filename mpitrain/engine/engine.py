@@ -88,6 +88,8 @@ EXIT_TIMEOUT_S = 30.0
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
 
 log = logging.getLogger("mpitrain")
+LOGGED_CYCLES = 256
+"""How many kinds of cycle the DEBUG log remembers as logged (then it starts over)."""
 _LIVE: set[Engine] = set()  # started and not stopped (each is kept alive by its thread)
 _lanes = iter(range(1, 1 << 30))
 
@@ -166,7 +168,7 @@ class Engine:
         they differ), so every rank reaches the same verdict."""
         self._finished = False
         self._freed = False
-        self._logged_cycle: tuple[Any, ...] = ()  # the last cycle logged (DEBUG)
+        self._logged_cycles: set[tuple[Any, ...]] = set()  # the kinds of cycle logged (DEBUG)
         self._worker = threading.Thread(target=self._loop, daemon=True,
                                         name=f"mpitrain-engine-{self.lane}-rank{self.rank}")
         self._worker.start()
@@ -614,14 +616,17 @@ class Engine:
 
     def _log_cycle(self, ready: int, buckets: list[Bucket], threshold: int) -> None:
         """Log (DEBUG) what a cycle agreed on, its fusion buckets and the operations that
-        wait for other ranks, when any of that differs from the last cycle logged (a
-        training loop's steps repeat one cycle: it is logged once)."""
+        wait for other ranks, the first time a cycle of that kind runs (a training loop's
+        steps repeat a few kinds of cycle: each is logged once; the record is cleared
+        after :data:`LOGGED_CYCLES` kinds)."""
         layout = tuple((len(b.items), b.nbytes) for b in buckets)
         waiting = sorted(self._pending)
         shape = (ready, layout, threshold, tuple(waiting))
-        if shape == self._logged_cycle:
+        if shape in self._logged_cycles:
             return
-        self._logged_cycle = shape
+        if len(self._logged_cycles) >= LOGGED_CYCLES:
+            self._logged_cycles.clear()
+        self._logged_cycles.add(shape)
         cycle = self._negotiator.cycle
         shown = ", ".join(f"{n} op(s) in {b} B" for n, b in layout[:8])
         log.debug("mpitrain rank %d: engine cycle %d: %d operation(s) agreed by every rank; "
