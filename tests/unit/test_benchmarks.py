@@ -483,3 +483,26 @@ def test_the_per_call_cost_is_only_called_so_at_small_sizes() -> None:
     large = [result(1 << 20, "mpitrain", 900.0), result(1 << 20, "mpi", 1000.0)]
     line = harness.overhead_lines(large)[0]
     assert "Per-call cost" not in line and line.startswith("# Smallest size, 1048576 B : ")
+
+
+def test_help_names_the_command_and_lists_every_benchmark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    monkeypatch.setattr(common.sys, "argv", ["/venv/bin/mpitrain-bench", "--help"])
+    text = harness.build_parser().format_help()
+    assert text.startswith("usage: mpitrain-bench ")
+    for other in ("fusion", "train", "latency"):
+        assert f"mpitrain-bench {other} -h" in text, text
+    monkeypatch.setattr(common.sys, "argv", ["/clone/benchmarks/__main__.py"])
+    assert harness.build_parser().format_help().startswith("usage: python -m benchmarks ")
+
+
+def test_latency_runs_as_a_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import __main__ as entry
+    from benchmarks import latency
+
+    seen = []
+    monkeypatch.setattr(latency, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert entry.main(["latency", "--sizes", "4"]) == 0
+    assert seen == [["--sizes", "4"]]
