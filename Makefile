@@ -10,7 +10,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # osc ^ucx: without UCX devices that component only prints an error when a window is made.
 MPIFLAGS := --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
             --mca threads_pthreads_yield_strategy nanosleep --mca osc ^ucx
-RUN      := timeout 900 $(MPIRUN) $(MPIFLAGS)
+# Long commands run under a time limit that a Ctrl-C stops at once, with everything they
+# started (tools/timelimit.py; coreutils' timeout leaves the terminal's process group).
+LIMIT    := $(PY) tools/timelimit.py
+RUN      := $(LIMIT) 900 $(MPIRUN) $(MPIFLAGS)
 PYTEST   := $(PY) -m pytest -p no:cacheprovider --color=no -q -rfE
 # The MPI suite's per-test limits: a collective that waits 120 s for other ranks raises
 # StallError on the ranks that wait (the next test gets a new communicator), and a test
@@ -65,10 +68,10 @@ test-mpi: $(VENV)/.compiled
 	done
 
 integration: $(VENV)/.compiled
-	timeout 900 $(PYTEST) tests/integration
+	$(LIMIT) 900 $(PYTEST) tests/integration
 
 faults: $(VENV)/.compiled
-	timeout 900 $(PYTEST) $(FAULTS)
+	$(LIMIT) 900 $(PYTEST) $(FAULTS)
 
 # Randomized collectives, each checked against numpy (not in `test`): 22,000 at 2..5
 # ranks with shared memory, then 22,000 without it (MPITRAIN_SHM=0, the path --elastic
@@ -77,8 +80,8 @@ faults: $(VENV)/.compiled
 # that hangs is killed after 900 s and reported with its seed and last case.
 SOAK_RANKS := 2,3,4,5,4,5,4,5,4,5,4,5,4,5,4,5,4,5,4,5,4,5
 soak: $(VENV)/.compiled
-	timeout 10800 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 22000
-	MPITRAIN_SHM=0 timeout 10800 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 22000
+	$(LIMIT) 10800 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 22000
+	MPITRAIN_SHM=0 $(LIMIT) 10800 $(PY) tests/soak.py --ranks $(SOAK_RANKS) --total 22000
 
 # Multi-node suite on 3 emulated hosts (root; not part of `test`): see docs/multi-node.md.
 test-cluster: $(VENV)/.compiled
@@ -103,7 +106,7 @@ BENCH_SIZES  := -b 4 -e 256M -f 4 -n 10 -w 2 --budget 20
 TUNED_MALLOC := -x MALLOC_MMAP_THRESHOLD_=2147483647 -x MALLOC_TRIM_THRESHOLD_=4294967296
 BENCH_RANKS  ?= 2 4
 # osc ^ucx only silences an error message (see MPIFLAGS); nothing else is changed.
-BUSY         := timeout 900 $(MPIRUN) --mca osc ^ucx
+BUSY         := $(LIMIT) 900 $(MPIRUN) --mca osc ^ucx
 algorithms_of = $$($(PY) -c "from mpitrain.algorithms import ALGORITHMS as A; \
                 print(','.join(a for a in A['$(1)'] if a != 'mpi'))")
 
@@ -151,9 +154,10 @@ lint: $(VENV)/.installed
 # The documentation site (mkdocs.yml, docs/) into site/, every warning an error: broken
 # links, docstrings mkdocstrings cannot read. The settings table and the benchmark
 # results page are generated from mpitrain/config.py and BENCHMARKS.md
-# (tools/mkdocs_hooks.py).
-$(VENV)/.docs: $(VENV)/.installed setup.py
-	$(PY) -m pip install -q -e '.[docs]'
+# (tools/mkdocs_hooks.py). Only the docs extra's tools are installed: the site reads the
+# sources, so nothing of mpitrain is reinstalled or compiled for it.
+$(VENV)/.docs: $(VENV)/.installed pyproject.toml
+	$(PY) tools/extra_requirements.py docs | xargs $(PY) -m pip install -q
 	touch $@
 
 docs: $(VENV)/.docs

@@ -2,7 +2,7 @@
 
 Run under MPI, one collective per run::
 
-    mpirun -np 4 python -m benchmarks allreduce -b 8 -e 64M -f 2 -d float32 -o sum
+    mpitrain-run -np 4 python -m benchmarks allreduce -b 8 -e 64M -f 2 -d float32 -o sum
 
 :mod:`.harness` holds the one loop (sizes, warm-up, interleaved timing, exact
 verification, table, JSON, plot); :mod:`.collectives` holds one small module of

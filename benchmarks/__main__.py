@@ -1,6 +1,7 @@
 """``python -m benchmarks <collective> [options]`` (:mod:`benchmarks.harness`),
 ``python -m benchmarks fusion [options]`` (:mod:`benchmarks.fusion`) or
-``python -m benchmarks train [options]`` (:mod:`benchmarks.train`, needs torch); installed,
+``python -m benchmarks train [options]`` (:mod:`benchmarks.train`, needs torch) or
+``python -m benchmarks latency [options]`` (:mod:`benchmarks.latency`); installed,
 the same command is ``mpitrain-bench``."""
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         model) was right, else 1; 2 for ``train`` without torch.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["latency"]:  # small blocking allreduces against native MPI
+        from . import latency
+
+        return latency.main(args[1:])
     if args[:1] == ["fusion"]:  # not one collective but three calls compared: its own table
         return fusion.main(args[1:])
     if args[:1] == ["train"]:  # whole training steps, torch only: imported on demand

@@ -20,8 +20,10 @@ import random
 import re
 import shlex
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import mpi4py
@@ -172,18 +174,62 @@ def count_wrong(call: Call, expected: Array,
 # -- reproducibility ------------------------------------------------------------------
 YIELD_MCA = ("mpi_yield_when_idle", "threads_pthreads_yield_strategy")
 """Open MPI's settings that make waiting ranks yield, shown in :func:`command_line`."""
+LAUNCHER_SETS = ("MPITRAIN_RESTART",)
+"""Variables that ``mpitrain-run`` sets on every rank itself (not part of a command)."""
+YIELD_VALUES = {"mpi_yield_when_idle": "1", "threads_pthreads_yield_strategy": "nanosleep"}
+"""The values of :data:`YIELD_MCA` that ``mpitrain-run`` sets when ranks outnumber cores."""
+
+
+def program_name() -> str:
+    """How this benchmark was started: ``mpitrain-bench`` (the installed command), else
+    ``python -m`` this package (``benchmarks`` in a clone, ``mpitrain.benchmarks`` where
+    a wheel installed it); what its ``--help`` and its command line call it."""
+    package = __package__ or "benchmarks"
+    return "mpitrain-bench" if Path(sys.argv[0]).name == "mpitrain-bench" \
+        else f"python -m {package}"
+
+
+def bound_to_cores() -> bool:
+    """Whether MPI pinned this rank: its CPU set is smaller than its parent's (the MPI
+    daemon that started it, which runs unpinned), as plain ``mpirun -np N`` does where
+    the ranks fit the cores."""
+    try:
+        return os.sched_getaffinity(0) < os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # not Linux, or the parent is gone
+        return False
 
 
 def command_line(argv: Sequence[str], nranks: int) -> str:
-    """The command that reproduces this run, with the MPITRAIN_* and MALLOC_* variables it
-    saw (glibc's malloc thresholds change native MPI's large-message times) and Open
-    MPI's yield settings where they were given (:data:`YIELD_MCA`)."""
+    """The command that reproduces this run as pasted (as root too), with the MPITRAIN_*
+    and MALLOC_* variables it saw (glibc's malloc thresholds change native MPI's
+    large-message times).
+
+    ``mpitrain-run -np N python -m benchmarks ...`` where that starts the ranks the same
+    way (unpinned, yielding exactly when they outnumber the cores: what mpitrain-run
+    does); otherwise ``mpirun`` with what shaped the run: ``--oversubscribe`` where the
+    ranks outnumber the cores, ``--bind-to none`` where they were not pinned, Open MPI's
+    yield settings where given (:data:`YIELD_MCA`), and, as root, ``--allow-run-as-root``;
+    ``--mca osc ^ucx`` only silences the OSC UCX error message of hosts without UCX
+    devices.
+    """
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith(("MPITRAIN_", "MALLOC_"))]
-    mca = [f"--mca {name} {shlex.quote(os.environ[f'OMPI_MCA_{name}'])}" for name in YIELD_MCA
-           if f"OMPI_MCA_{name}" in os.environ]
-    return " ".join([*env, "mpirun", *mca, f"-np {nranks} python -m benchmarks",
-                     shlex.join(argv)])
+           if k.startswith(("MPITRAIN_", "MALLOC_")) and k not in LAUNCHER_SETS]
+    yielding = [name for name in YIELD_MCA if f"OMPI_MCA_{name}" in os.environ]
+    crowded = nranks > (os.cpu_count() or 1)
+    bound = bound_to_cores()
+    program = f"-np {nranks} {program_name()} {shlex.join(argv)}".rstrip()
+    if not bound and bool(yielding) == crowded and \
+            all(os.environ[f"OMPI_MCA_{name}"] == value for name, value in YIELD_VALUES.items()
+                if name in yielding):
+        return " ".join([*env, "mpitrain-run", program])
+    flags = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    if crowded:
+        flags.append("--oversubscribe")
+    if not bound:
+        flags += ["--bind-to", "none"]
+    flags += [f"--mca {name} {shlex.quote(os.environ[f'OMPI_MCA_{name}'])}"
+              for name in yielding]
+    return " ".join([*env, "mpirun", *flags, "--mca osc ^ucx", program])
 
 
 def idle_wait() -> str:

@@ -45,6 +45,7 @@ from .common import (
     count_wrong,
     machine_info,
     parse_size,
+    program_name,
     size_series,
     time_calls,
 )
@@ -96,7 +97,7 @@ class FusionResult:
 
 def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
     """Parse and check the command line of ``python -m benchmarks fusion``."""
-    p = OneRankParser(quiet, prog="python -m benchmarks fusion",
+    p = OneRankParser(quiet, prog=f"{program_name()} fusion",
                       description="Time many small async allreduces (fused by the engine) "
                                   "against one allreduce of the same bytes and against "
                                   "blocking calls.")

@@ -9,9 +9,10 @@ variant (out-of-place, in-place). Then, per size:
 * *timing*: ``-n`` repetitions, each running every call once, interleaved (A B A B,
   in an order drawn anew for each repetition, the same on every rank); a barrier
   precedes every run and only the run is timed, with ``time.perf_counter``. Each rank
-  takes the median (and the min and max) of its own times; the time reported is the
-  **maximum over ranks of each rank's median** (min and max likewise), so a size is as
-  slow as its slowest rank;
+  takes the median (and the min, mean and max) of its own times; the time reported is the
+  **maximum over ranks of each rank's median** (min, avg and max likewise: printed as a
+  second table after the first, as OSU's benchmarks print them), so a size is as slow
+  as its slowest rank;
 * *verify*: every call runs once more from its crafted input and its result is
   compared exactly with the known one; ``#wrong`` is the number of wrong elements
   summed over ranks.
@@ -71,6 +72,7 @@ from .common import (
     format_size,
     machine_info,
     parse_size,
+    program_name,
     size_series,
     time_calls,
 )
@@ -158,9 +160,17 @@ def make_impls(names: Sequence[str], algorithms: Sequence[str],
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks``."""
-    p = OneRankParser(quiet, prog="python -m benchmarks",
-                      description="Time and verify mpitrain collectives against MPI's own, "
-                                  "nccl-tests style. Run under mpirun.")
+    prog = program_name()
+    p = OneRankParser(
+        quiet, prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time and verify mpitrain collectives against MPI's own, nccl-tests "
+                    "style, on every rank of an MPI job.",
+        epilog=f"Example:\n  mpitrain-run -np 2 {prog} allreduce -b 8 -e 64M --impl mpitrain,mpi"
+               f"\n\nThe other benchmarks of {prog}:\n"
+               f"  {prog} fusion -h    fused async allreduces against one buffer and "
+               "blocking calls\n"
+               f"  {prog} train -h     training steps against torch DDP (needs torch)\n"
+               f"  {prog} latency -h   small-message latency against native MPI")
     p.add_argument("collective", choices=sorted(COLLECTIVES),
                    help="the collective; 'python -m benchmarks fusion -h' for the fusion case")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
@@ -282,6 +292,7 @@ class Result:
     wrong: int
     extra_mib: float = memory.UNKNOWN
     runs: int = 0
+    time_avg_us: float = 0.0
 
     @property
     def key(self) -> Key:
@@ -328,20 +339,21 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
     expected = coll.expected(case)
     wrong = np.array([count_wrong(call, expected, placement.get) for call in calls.values()],
                      dtype=np.int64)
-    stats = np.array([[statistics.median(t), min(t), max(t)] for t in times.values()])
+    stats = np.array([[statistics.median(t), min(t), max(t), statistics.fmean(t)]
+                      for t in times.values()])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, extra, MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, wrong, MPI.SUM)
     size = coll.size(case.count, case.dtype.itemsize, case.nranks)
     factor = coll.bus_factor(case.nranks)
     results = []
-    for (label, inplace), (median, fastest, slowest), bad, mib in zip(calls, stats, wrong,
-                                                                       extra):
+    for (label, inplace), (median, fastest, slowest, mean), bad, mib in zip(calls, stats, wrong,
+                                                                             extra):
         algbw = size / median / 1e9
         results.append(Result(size, case.count, str(case.dtype), case.op, case.root, label,
                               inplace, median * 1e6, fastest * 1e6, slowest * 1e6, algbw,
                               algbw * factor, int(bad), float(mib),
-                              len(times[(label, inplace)])))
+                              len(times[(label, inplace)]), mean * 1e6))
     return results
 
 
@@ -423,6 +435,31 @@ class Table:
         return " " + "".join(f"{cell:>{c.width}} " for cell, c in zip(cells, self.columns())) \
             .rstrip()
 
+    def spread(self, results: Sequence[Result]) -> list[str]:
+        """The table of the timed runs' spread, as OSU's benchmarks print it: per size,
+        per implementation and variant, ``min/avg/median/max`` (us; each the maximum over
+        ranks of a rank's own)."""
+        keys = [(label, inplace) for inplace in self.variants for label in self.labels]
+        by_size: dict[int, dict[Key, Result]] = {}
+        for r in results:
+            by_size.setdefault(r.size, {})[r.key] = r
+        rows = []
+        for size, found in by_size.items():
+            cells = [str(size)]
+            for key in keys:
+                r = found.get(key)
+                cells.append(f"{r.time_min_us:.1f}/{r.time_avg_us:.1f}/{r.time_us:.1f}/"
+                             f"{r.time_max_us:.1f}" if r else _NA)
+            rows.append(cells)
+        titles = ["size (B)"] + [f"{label}{' in-place' if inplace else ''}"
+                                 for label, inplace in keys]
+        widths = [max(len(c) for c in column) for column in zip(titles, *rows)]
+        return ["# Spread of the timed runs (us): min/avg/median/max, each the max over "
+                "ranks of a rank's own",
+                "#" + " ".join(f"{t:>{w}}" for t, w in zip(titles, widths)),
+                *("#" + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                  for cells in rows)]
+
     def summary(self, results: Sequence[Result]) -> list[str]:
         """nccl-tests' closing lines: wrong elements and average bus bandwidth."""
         wrong = sum(r.wrong for r in results)
@@ -431,6 +468,11 @@ class Table:
         return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
                 f"# Avg bus bandwidth    : {averages}  (GB/s, mean over sizes and variants)",
                 *overhead_lines(results)]
+
+
+SMALL_BYTES = 4096
+"""Largest smallest size at which the time difference to native MPI is reported as the
+per-call cost of mpitrain's Python layer (above, moving the data dominates the time)."""
 
 
 def overhead_lines(results: Sequence[Result]) -> list[str]:
@@ -443,10 +485,14 @@ def overhead_lines(results: Sequence[Result]) -> list[str]:
     smallest = min(r.size for r in results)
     times = {r.impl: r.time_us for r in results if r.size == smallest and not r.inplace}
     lines = []
-    if "mpitrain" in times and "mpi" in times:
+    if "mpitrain" in times and "mpi" in times and smallest <= SMALL_BYTES:
         lines.append(f"# Per-call cost at {smallest} B : mpitrain {times['mpitrain']:.2f} us = "
                      f"native {times['mpi']:.2f} us {times['mpitrain'] - times['mpi']:+.2f} us "
                      f"({times['mpitrain'] / times['mpi']:.2f}x native)")
+    elif "mpitrain" in times and "mpi" in times:  # moving the data dominates: no per-call cost
+        lines.append(f"# Smallest size, {smallest} B : mpitrain {times['mpitrain']:.2f} us, "
+                     f"native {times['mpi']:.2f} us ({times['mpitrain'] / times['mpi']:.2f}x "
+                     f"native); the per-call cost shows at sizes up to {SMALL_BYTES} B (-b 8)")
     if "mpitrain" in times and "mpitrain[nocheck]" in times:
         lines.append(f"# Validation at {smallest} B   : "
                      f"{times['mpitrain'] - times['mpitrain[nocheck]']:+.2f} us per call "
@@ -554,7 +600,8 @@ def write_json(path: str, opts: Options, command: str, machine: dict[str, Any],
                                         for i in opts.impls if i.kind == "mpitrain"}),
                      "inplace": opts.inplace, "budget_s": opts.budget},
         "timing": "time_us = max over ranks of each rank's median of the timed runs; "
-                  "time_min_us/time_max_us = max over ranks of each rank's min/max",
+                  "time_min_us/time_avg_us/time_max_us = max over ranks of each rank's "
+                  "min/mean/max",
         "results": [asdict(r) for r in results],
         "summary": {"wrong": sum(r.wrong for r in results),
                     "avg_busbw": dict(average_busbw(results, labels))},
@@ -657,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             trailing = [f"{copy_bandwidth[-1]['gbps']:.1f}"]
         emit([table.row(row, trailing)])
         results += row
-    emit(table.summary(results))
+    emit(["#", *table.spread(results), "#", *table.summary(results)])
     if rank == 0:
         if opts.json:
             extra = {"device_copy": copy_bandwidth} if copies else None

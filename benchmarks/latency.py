@@ -1,6 +1,6 @@
 """Small-message latency: mpitrain's blocking allreduce and barrier against native MPI.
 
-``mpirun -np 2 python -m benchmarks.latency`` times, per size, ``comm.allreduce(x)``,
+``mpitrain-run -np 2 python -m benchmarks.latency`` times, per size, ``comm.allreduce(x)``,
 ``comm.allreduce_(y)`` and mpi4py's ``MPI.COMM_WORLD.Allreduce`` into a preallocated
 output, then ``comm.barrier()`` and ``MPI.COMM_WORLD.Barrier()``, interleaved (A B A B
 ...: one block of ``--iters`` calls of each in turn, ``--blocks`` times), so that a
@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 import mpitrain as mt
 
+from .common import program_name
 from .hooks import crafted, poison, reduced
 
 DTYPE = np.dtype(np.float32)
@@ -37,7 +38,7 @@ DTYPE = np.dtype(np.float32)
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (``--help`` lists it)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"{program_name()} latency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4,4096,16384",
                    help="message sizes in bytes of float32 (comma-separated)")

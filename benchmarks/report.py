@@ -243,7 +243,8 @@ def render(runs: Sequence[Run], outdir: str) -> list[str]:
                 "2x native's time).", "", *targets(group), ""]
         for run in group:
             out += [f"### {run.collective}, {run.ranks} ranks"
-                    f"{titles.get(run.kind, run.kind)}", "", "```", run.doc["command"],
+                    f"{titles.get(run.kind, run.kind)}", "", "```",
+                    runnable(run.doc["command"], run.setup[0]),
                     "```", ""]
             machine = run.doc["machine"]
             if "copy_gbps_all" in machine:
@@ -260,6 +261,33 @@ def render(runs: Sequence[Run], outdir: str) -> list[str]:
     return out
 
 
+MAKE_BENCH_FLAGS = {False: "--allow-run-as-root --mca osc ^ucx",
+                    True: "--allow-run-as-root --oversubscribe --bind-to none"}
+"""How ``make bench`` started the ranks of a run, by whether they yield: ``BUSY`` (plain
+``mpirun``, ranks pinned, as root) where they fit the cores, ``RUN``'s ``MPIFLAGS``
+(oversubscribed, unpinned, yielding) where they do not."""
+
+
+def runnable(command: str, yielding: bool) -> str:
+    """A run's recorded command as it runs when pasted, as root too.
+
+    Runs recorded before the harness wrote every launch flag (see
+    :func:`benchmarks.common.command_line`) say ``mpirun [yield settings] -np N ...``;
+    they came from ``make bench``, whose flags (:data:`MAKE_BENCH_FLAGS`, by whether the
+    ranks yielded: ``yielding``) are added here.
+    """
+    words = command.split(" ")
+    if "mpirun" not in words or "--allow-run-as-root" in words:
+        return command
+    at = words.index("mpirun")
+    flags = MAKE_BENCH_FLAGS[yielding].split(" ")
+    rest = words[at + 1:]
+    if yielding and "-np" in rest:  # the yield settings stay, osc last as in MPIFLAGS
+        at_np = rest.index("-np")
+        rest = [*rest[:at_np], "--mca", "osc", "^ucx", *rest[at_np:]]
+    return " ".join([*words[:at], "mpirun", *flags, *rest])
+
+
 def train_tables(runs: Sequence[Run]) -> list[str]:
     """The training benchmark's runs (:mod:`benchmarks.train`): per run its command and
     one row per model and implementation."""
@@ -267,7 +295,7 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
     for run in sorted(runs, key=lambda r: (r.setup, r.kind)):
         settings = run.doc["settings"]
         out += [f"### {setup_title(run)}, gradients {settings['compression']}", "", "```",
-                run.doc["command"], "```", "",
+                runnable(run.doc["command"], run.setup[0]), "```", "",
                 f"{settings['batch']} samples per rank and step, {settings['rounds']} rounds "
                 f"x {settings['steps']} timed steps of each implementation; step = max over "
                 "ranks of each rank's median.", "",

@@ -82,7 +82,7 @@ from torch import nn
 import mpitrain.torch as hvd
 
 from . import gloo
-from .common import OneRankParser, command_line, machine_info
+from .common import OneRankParser, command_line, machine_info, program_name
 from .report import GLOO_OF
 
 MODELS = ("mlp", "convnet")
@@ -169,7 +169,7 @@ def _impls(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     """Parse and check the command line of ``python -m benchmarks train``."""
-    p = OneRankParser(quiet, prog="python -m benchmarks train",
+    p = OneRankParser(quiet, prog=f"{program_name()} train",
                       description="Time and verify whole training steps: mpitrain.torch's "
                                   "DistributedOptimizer, DDP and FSDP over gloo and over "
                                   "mpitrain's torch.distributed backend, and one rank "

@@ -1,6 +1,6 @@
 """Train an MLP on scikit-learn's digits with numpy only, data-parallel over MPI ranks.
 
-    mpirun -np 4 python examples/train_numpy.py [--epochs 30] [--checkpoint DIR]
+    mpitrain-run -np 4 python examples/train_numpy.py [--epochs 30] [--checkpoint DIR]
 
 The model's backward pass announces each layer's gradients to the
 DistributedOptimizer as soon as they are computed (last layer first), so their
@@ -85,7 +85,8 @@ def main() -> None:
         sampler.load_state_dict(state["sampler"])
         first_epoch = state["epoch"] + 1
         if comm.rank == 0:
-            print(f"resumed from {ckpt.path} (epoch {first_epoch} of {args.epochs})",
+            print(f"resumed from {ckpt.path} (after epoch {first_epoch} of {args.epochs}; "
+                  f"training epochs {first_epoch + 1} to {args.epochs})",
                   flush=True)
     else:
         trainer.broadcast_parameters(model.params, root_rank=0)

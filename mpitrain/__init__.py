@@ -1,6 +1,6 @@
 """mpitrain: fast, checked collectives for distributed training over MPI.
 
-Typical use under ``mpirun -np N python train.py``::
+Typical use under ``mpitrain-run -np N python train.py``::
 
     import mpitrain as mt
     comm = mt.init()

@@ -33,3 +33,30 @@ def check_source(package: str, what: str, source: Path, built_from: str | None,
     if source.exists() and source_digest(source) != built_from:
         raise ImportError(f"{package}: the compiled {what} was built from another version "
                           f"of {source}; {REBUILD} or {instead}")
+
+
+def why_not_compiled(engine: bool, hostcopy: bool, package_dir: Path) -> str:
+    """Why this process runs without compiled parts, and how to build them; ``""`` when
+    the engine core (``engine``) and the host copy extension (``hostcopy``) are both
+    compiled.
+
+    ``package_dir``: the directory of the imported ``mpitrain`` package. When a
+    ``setup.py`` sits beside it, the program imported a source tree that was not built
+    in place (a script saved in the clone's root does); otherwise an installation that
+    was built without them (no C compiler at install time, or ``MPITRAIN_COMPILE=0``).
+    """
+    missing = [what for what, built in (("engine core", engine),
+                                         ("host copy extension", hostcopy)) if not built]
+    if not missing:
+        return ""
+    what = " and the ".join(missing)
+    root = package_dir.parent
+    if (root / "setup.py").exists():
+        return (f"the {what} of the source tree {root} {'is' if len(missing) == 1 else 'are'}"
+                f" not built: run `make` there (or `cd {root} && MPITRAIN_COMPILE=1 python "
+                "setup.py build_ext --inplace`), or run your script from another directory "
+                "to use the installed mpitrain")
+    return (f"this installation of mpitrain ({package_dir}) was built without the {what} "
+            "(no C compiler at install time, or MPITRAIN_COMPILE=0): install a C compiler "
+            "and reinstall from the source with `MPITRAIN_COMPILE=1 pip install "
+            "--force-reinstall --no-deps .` (docs/install.md, \"The compiled core\")")

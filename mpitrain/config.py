@@ -172,6 +172,9 @@ CUDA_AWARE: Setting[bool | None] = Setting(
     "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
 STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
                         "Pinned host segments per direction when staging device buffers.")
+FALLBACK_NOTICE = Setting("MPITRAIN_FALLBACK_NOTICE", _parse_bool, True,
+                          "mt.init() says once, on rank 0, when the engine runs without its "
+                          "compiled core (slower), why, and how to build it; 0 silences it.")
 LOG_LEVEL = Setting("MPITRAIN_LOG_LEVEL",
                     _parse_choice("debug", "info", "warning", "error", "critical"), "",
                     "Level of the 'mpitrain' logger; when set, its lines go to stderr "

@@ -9,7 +9,11 @@ every line prefixed with the rank, and then ends the job:
 * normally with ``MPI.COMM_WORLD.Abort(1)``, which makes ``mpiexec`` kill every rank;
 * under ULFM (``MPITRAIN_ELASTIC=1``, set by ``mpitrain-run --elastic``) by killing
   its own process with ``SIGKILL``: survivors are only notified of deaths by signal,
-  and they go on without this rank (see :mod:`mpitrain.elastic`).
+  and they go on without this rank (see :mod:`mpitrain.elastic`);
+* alone (``COMM_WORLD`` of one rank: a plain ``python script.py``), by exiting with
+  status 1 as Python does, MPI finalized: no other rank waits, and ``Abort`` outside
+  ``mpiexec`` (the pip Open MPI wheel's singleton) prints only that it cannot find its
+  help text.
 
 ``sys.exit(code)`` is not an exception in this sense (Python calls no hook): a rank
 that exits on its own while the others wait is caught by the exit guard
@@ -48,7 +52,9 @@ def install() -> None:
             previous(etype, value, tb)
             return
         _report(etype, value, tb, "")
-        end_job()
+        if not _alone():
+            end_job()
+        # alone: the interpreter exits with status 1 and finalizes MPI
 
     def thread_excepthook(args: Any) -> None:
         if args.exc_type is SystemExit or not _mpi_alive():
@@ -68,6 +74,8 @@ def end_job() -> None:
     sys.stderr.flush()
     if config.ELASTIC.get():
         os.kill(os.getpid(), signal.SIGKILL)
+    if _alone():
+        os._exit(1)
     MPI.COMM_WORLD.Abort(1)
 
 
@@ -75,11 +83,18 @@ def _mpi_alive() -> bool:
     return MPI.Is_initialized() and not MPI.Is_finalized()
 
 
+def _alone() -> bool:
+    """True when this process is the whole job (no other rank waits for it) and not
+    elastic."""
+    return MPI.COMM_WORLD.Get_size() == 1 and not config.ELASTIC.get()
+
+
 def _report(etype: type[BaseException], value: BaseException | None,
             tb: TracebackType | None, where: str) -> None:
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     how = ("killing this rank so the others go on without it (elastic mode)"
-           if config.ELASTIC.get() else "aborting the whole job")
+           if config.ELASTIC.get() else "exiting (no other rank to stop)" if _alone()
+           else "aborting the whole job")
     lines = [f"mpitrain: rank {rank} of {size} (pid {os.getpid()}) died of an uncaught "
              f"exception{where}; {how} (MPITRAIN_ABORT_ON_EXCEPTION=0 turns this off)\n"]
     lines += traceback.format_exception(etype, value, tb)

@@ -14,6 +14,8 @@
 * ``-x VAR`` exports variables to the ranks, as do every ``MPITRAIN_*`` variable and
   ``PYTHONPATH`` that are set here, and horovodrun's flags (``--fusion-threshold-mb``,
   ``--cycle-time-ms``, ``--timeline-filename``, ``--log-level``) as ``MPITRAIN_*``;
+  started from a terminal, its width as ``COLUMNS`` (a rank's terminal is Open MPI's
+  pseudo-terminal, which has no size: progress bars need it);
 * ``python`` (or a command that starts with a ``.py`` file, or ``-m module``) runs under
   this Python interpreter, and a command installed next to it (a console script such as
   ``mpitrain-bench``) runs from there, whether its environment is activated or not;
@@ -26,6 +28,8 @@
   set to the attempt number. The script must resume from its last checkpoint when it
   starts (it cannot tell a first start from a restart otherwise), e.g.
   ``mt.elastic.State(..., checkpoint="ckpt/state")``;
+* ``--check-build`` prints what this installation runs (``python -m mpitrain``,
+  :mod:`mpitrain.check`), and with ``-np N`` runs a checked collective on N ranks;
 * SIGINT, SIGTERM and SIGHUP are passed on to ``mpiexec`` (started in a session of its
   own), which ends every rank; the launcher then restarts nothing and exits with
   128 + the signal's number (:class:`Supervisor`).
@@ -167,7 +171,8 @@ def exports_of(job: Job) -> list[str]:
     """The ``-x`` arguments, one per variable: the user's ``-x`` (the last of a name
     wins), the ``MPITRAIN_*`` variables and ``PYTHONPATH`` set here, the launcher's
     settings and ``MPITRAIN_ELASTIC=1`` (over any of those), and torchrun's
-    ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here."""
+    ``MASTER_ADDR``/``MASTER_PORT`` unless given by ``-x`` or set here; ``COLUMNS``, the
+    width of the terminal this launcher writes to, where it writes to one."""
     settings = dict(job.settings)
     if job.elastic:
         settings["MPITRAIN_ELASTIC"] = "1"
@@ -183,12 +188,26 @@ def exports_of(job: Job) -> list[str]:
     for name, value in settings.items():
         chosen.pop(name, None)
         chosen[name] = f"{name}={value}"
+    columns = terminal_columns()
+    if columns and "COLUMNS" not in chosen:  # the ranks' terminal is Open MPI's, sizeless
+        chosen["COLUMNS"] = f"COLUMNS={columns}"
     torch_defaults: dict[str, Callable[[], object]] = {
         "MASTER_ADDR": lambda: first_host(job), "MASTER_PORT": free_port}
     for name, default in torch_defaults.items():
         if name not in chosen:
             chosen[name] = name if name in os.environ else f"{name}={default()}"
     return list(chosen.values())
+
+
+def terminal_columns() -> int:
+    """The width of the terminal this launcher writes to (0: stdout is no terminal, or
+    ``COLUMNS`` is set already and exported as any variable)."""
+    if "COLUMNS" in os.environ or not sys.stdout.isatty():
+        return 0
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except OSError:
+        return 0
 
 
 def user_sets_mca(job: Job, parameter: str) -> bool:
@@ -352,7 +371,7 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
         prog="mpitrain-run", description="Run a training script on N ranks through mpiexec.",
         epilog="Example: mpitrain-run -np 4 --max-restarts 2 train.py --checkpoint ckpt")
     p.add_argument("--version", action="version", version=f"mpitrain {__version__}")
-    p.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
+    p.add_argument("-np", "-n", dest="np", type=int, help="number of ranks")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts with slots, e.g. node1:2,node2:2")
     where.add_argument("--hostfile", help="an MPI hostfile (host slots=N per line)")
@@ -378,6 +397,10 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
                      help="Chrome-trace timeline that rank 0 writes (MPITRAIN_TIMELINE)")
     hvd.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                      help="MPITRAIN_LOG_LEVEL")
+    p.add_argument("--check-build", action="store_true",
+                   help="print what this installation runs (python -m mpitrain: compiled "
+                        "core, MPI, CUDA-aware, CuPy/torch, algorithms) and exit; with -np N, "
+                        "also run a checked collective on N ranks")
     p.add_argument("--verbose", action="store_true",
                    help="print the mpiexec command (to stderr) before running it")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
@@ -385,6 +408,10 @@ def parse(argv: list[str]) -> tuple[Job, argparse.Namespace]:
                    help="run a module on every rank (python -m MODULE ARGS); the last option")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = p.parse_args(argv)
+    if args.check_build:
+        return Job(command=[], np=args.np or 0), args
+    if args.np is None:
+        p.error("the following arguments are required: -np")
     if args.module is not None:
         if not args.module:
             p.error("-m needs a module name, e.g. mpitrain-run -np 2 -m benchmarks allreduce")
@@ -417,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``mpitrain-run`` and ``python -m mpitrain.run``; returns the exit code:
     the job's, or 128 + N when signal N stopped it."""
     job, args = parse(sys.argv[1:] if argv is None else argv)
+    if args.check_build:  # the install check, in a process of its own (it loads MPI)
+        smoke = ["--smoke", "-np", str(job.np)] if job.np else []
+        return subprocess.call([sys.executable, "-m", "mpitrain", *smoke])
     mpiexec = find_mpiexec()
     if args.max_restarts:
         job.exports.append("MPITRAIN_RESTART")

@@ -9,11 +9,16 @@ default communicator (the trainer, elastic recovery, checkpoints) reads it here 
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 from typing import Any
 
 from mpi4py import MPI
 
 from . import config, excepthook
+from . import engine as _engine
+from ._builds import why_not_compiled
+from .backends import hostcopy
 from .comm import exitguard
 from .communicator import Communicator
 from .config import Settings
@@ -51,10 +56,29 @@ def init(comm: MPI.Intracomm | None = None) -> Communicator:
             if message not in _said:
                 _said.add(message)
                 log.log(level, "mpitrain: %s", message)
+        if world_rank == 0:
+            notice = fallback_notice()
+            if notice and notice not in _said:
+                _said.add(notice)
+                log.warning("%s", notice)
         _default = Communicator(comm if comm is not None else MPI.COMM_WORLD)
         if _default.size == MPI.COMM_WORLD.Get_size():  # every rank is here: collective
             exitguard.install()
     return _default
+
+
+def fallback_notice() -> str:
+    """The one line :func:`init` logs (rank 0, once) when this process runs the pure-Python
+    fallback: what is slower, why, how to build the compiled parts and how to silence the
+    line; ``""`` when they are compiled or ``MPITRAIN_FALLBACK_NOTICE=0``."""
+    if not config.FALLBACK_NOTICE.get():
+        return ""
+    why = why_not_compiled(_engine.compiled(), hostcopy.compiled(),
+                           Path(__file__).resolve().parent)
+    if not why:
+        return ""
+    return (f"mpitrain: running the pure-Python fallback (the async engine and host copies "
+            f"are slower): {why}; {config.FALLBACK_NOTICE.name}=0 silences this line")
 
 
 def configure_logging(rank: int) -> None:
@@ -105,7 +129,11 @@ def shutdown() -> None:
 def default_communicator() -> Communicator:
     """The communicator of :func:`init`; raises if :func:`init` was not called."""
     if _default is None:
-        raise NotInitializedError("mpitrain is not initialised: call mpitrain.init() first")
+        # a Horovod script (import mpitrain.torch as hvd) knows the call as hvd.init()
+        how = ("hvd.init() (mpitrain.torch's init) first" if "mpitrain.torch" in sys.modules
+               else "mpitrain.init() first")
+        raise NotInitializedError(f"rank {MPI.COMM_WORLD.Get_rank()}: mpitrain is not "
+                                  f"initialised: call {how}")
     return _default
 
 

@@ -2,8 +2,8 @@
 
 Run it under the launcher with the rank count (and placement) of the jobs to tune::
 
-    mpirun -np 8 mpitrain-tune -o tuning.json
-    MPITRAIN_TUNING_FILE=tuning.json mpirun -np 8 python train.py
+    mpitrain-run -np 8 mpitrain-tune -o tuning.json
+    MPITRAIN_TUNING_FILE=tuning.json mpitrain-run -np 8 python train.py
 
 For every collective and message size it times every algorithm this communicator can
 run (the MPI library's own collective included), interleaved, and takes the median of
@@ -103,13 +103,36 @@ def rules_from(collective: str, table: dict[int, dict[str, float]], ranks: int,
     return rules
 
 
+def report(collective: str, table: dict[int, dict[str, float]], rules: Sequence[Rule]) -> list[str]:
+    """What ``mpitrain-tune`` prints for one collective: per measured size the fastest
+    algorithm and the runner-up with their times and the margin between them (how
+    clear the choice was), then the rules written (the last one "and up")."""
+    lines = [f"{collective}: per size, the fastest algorithm and the runner-up (times: max "
+             "over ranks of each rank's median)",
+             f"{'size (B)':>12}  {'fastest':<20}{'time (us)':>10}  {'runner-up':<20}"
+             f"{'time (us)':>10}  margin"]
+    for nbytes in sorted(table):
+        ranked = sorted(table[nbytes].items(), key=lambda item: item[1])
+        best, best_s = ranked[0]
+        second, second_s = ranked[1] if len(ranked) > 1 else ("-", math.nan)
+        margin = f"{(second_s / best_s - 1) * 100:+.0f}%" if len(ranked) > 1 and best_s else "-"
+        lines.append(f"{nbytes:>12}  {best:<20}{best_s * 1e6:>10.2f}  {second:<20}"
+                     f"{second_s * 1e6:>10.2f}  {margin}")
+    for rule in rules:
+        upper = "and up" if rule.max_bytes == Rule.max_bytes else f"{rule.max_bytes} B"
+        lines.append(f"{collective} rule: {rule.min_bytes} B .. {upper}: {rule.algorithm}")
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``mpitrain-tune``."""
     p = argparse.ArgumentParser(
         prog="mpitrain-tune",
         description="Measure the fastest algorithm per collective and size on this "
-                    "cluster and write a tuning file for MPITRAIN_TUNING_FILE. Run under "
-                    "mpirun with the rank count of the jobs to tune.")
+                    "cluster and write a tuning file for MPITRAIN_TUNING_FILE. Run it with "
+                    "the rank count of the jobs to tune.",
+        epilog="Example: mpitrain-run -np 8 mpitrain-tune -o tuning.json; then "
+               "MPITRAIN_TUNING_FILE=tuning.json mpitrain-run -np 8 python train.py")
     p.add_argument("-o", "--output", default="mpitrain-tuning.json",
                    help="tuning file to write (default mpitrain-tuning.json)")
     p.add_argument("--append", action="store_true",
@@ -156,9 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured[collective] = table
             rules += rules_from(collective, table, comm.size)
             if rank == 0:
-                for rule in rules_from(collective, table, comm.size):
-                    print(f"{collective:15s} {rule.min_bytes:>12} .. {rule.max_bytes:<20} "
-                          f"{rule.algorithm}", flush=True)
+                print("\n".join(report(collective, table,
+                                        rules_from(collective, table, comm.size))), flush=True)
     finally:
         comm.free()
     if rank == 0:

@@ -172,8 +172,27 @@ class Inspector:
             self._queue: list[Survey] = []
             self._watch_seq = -1
             self._watch_since = 0.0
-            self._warned = self._aborting = False
+            self._warned = self._aborting = self._noted = False
             _SERVER.add(self)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("mpitrain rank %d: stall inspector of a %d-rank communicator: %s",
+                      self.rank, self.size, self.state())
+
+    def state(self) -> str:
+        """This inspector's limits, and whether other ranks can be asked where they are."""
+        limits = (f"warning after {self.warning_s:g} s, " if self.warning_s else
+                  "no warning, ") + (f"{self.action} after {self.timeout_s:g} s"
+                                     if self.timeout_s else "no timeout")
+        serving = ("surveys the other ranks" if self.comm is not None and not self.stopped
+                   else f"stopped ({self.stopped})" if self.stopped
+                   else "off (no other rank, no limit, or no MPI.THREAD_MULTIPLE)")
+        return f"{limits}; {serving}"
+
+    @property
+    def watching(self) -> bool:
+        """True while the daemon watches this inspector's transport: it then warns (and
+        aborts) for every wait the transport flags, a shared-memory barrier's included."""
+        return self.comm is not None and not self.stopped and _SERVER.running()
 
     @property
     def raises(self) -> bool:
@@ -246,10 +265,16 @@ class Inspector:
             return
         if t.seq != self._watch_seq:
             self._watch_seq, self._watch_since = t.seq, now
-            self._warned = self._aborting = False
+            self._warned = self._aborting = self._noted = False
             return
         waited = now - self._watch_since
         seq, collective = t.seq, t.what()
+        first = min(x for x in (self.warning_s, self.timeout_s) if x)
+        if not self._noted and waited >= first / 2 and log.isEnabledFor(logging.DEBUG):
+            self._noted = True
+            log.debug("mpitrain rank %d: %s (collective #%d) has waited %.1f s for other "
+                      "ranks; stall inspector: %s", self.rank, collective, seq, waited,
+                      self.state())
         if self.warning_s and not self._warned and waited >= self.warning_s:
             self._warned = True
             self._queue.append(Survey(lambda peers: warn(
@@ -287,6 +312,12 @@ class Inspector:
             survey.result = [survey.replies.get(p, PeerState(p, None)) for p in self.peers]
             self._survey = None
             survey.done.set()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("mpitrain rank %d: stall survey %d: %s", self.rank, survey.qid,
+                          "; ".join(f"rank {p.rank} " + (
+                              "did not answer" if p.seq is None else
+                              f"at #{p.seq} {p.collective or '(none)'}"
+                              f"{' (waiting)' if p.waiting else ''}") for p in survey.result))
             if survey.on_done is not None:
                 survey.on_done(survey.result)
 

@@ -242,7 +242,10 @@ class Transport:
             if ins.action == "abort":
                 abort(ins.report(self.what(), self.seq, total))
             raise self.stalled(total)
-        if ins.warning_s and total >= ins.warning_s and not self._shm_warned:
+        # the daemon warns of this wait itself (the barrier raises ``waiting``): one
+        # warning per stall, from here only where no daemon watches
+        if ins.warning_s and total >= ins.warning_s and not self._shm_warned \
+                and not ins.watching:
             self._shm_warned = True
             warn(ins.report(self.what(), self.seq, total))
 

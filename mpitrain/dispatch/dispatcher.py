@@ -34,6 +34,7 @@ returning (:meth:`~mpitrain.backends.base.ArrayBackend.scope`).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any, TypeVar
 
@@ -60,6 +61,7 @@ from .policy import HOST, device_policy
 from .selection import Table
 
 Array = Any
+log = logging.getLogger("mpitrain")
 PLAN_CACHE_SIZE = 32
 """Plans kept per dispatcher (least recently used first out)."""
 SMALL_CACHE_SIZE = 64
@@ -127,6 +129,8 @@ class Dispatcher:
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self._available: dict[tuple[str, str], tuple[str, ...]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
+        # (collective, requested, buffer, dtype, algorithm) of the choices logged
+        self._logged: set[tuple[Any, ...]] = set()
         # per kind: (dtype, shape, op, algorithm) -> the plan, or None (the general path)
         self._small: dict[tuple[Any, ...], SmallAllreduce | None] = {}
         self._small_rs: dict[tuple[Any, ...], SmallReduceScatter | None] = {}
@@ -135,6 +139,16 @@ class Dispatcher:
         self.table = Table.load(settings.tuning_file)
         self.device_policy = device_policy(settings)
         self._agree(settings, self.table)
+        if log.isEnabledFor(logging.DEBUG):
+            shm = self.shm
+            log.debug("mpitrain rank %d: a communicator of %d rank(s) on %d node(s): shared "
+                      "memory %s, single-copy %s, validation %s, algorithm %s, tuning file "
+                      "%s", self.rank, self.size, self.topology.node_count,
+                      "on" if shm is not None else "off",
+                      "on" if shm is not None and shm.single_copy else
+                      f"off ({shm.single_copy_reason if shm is not None else 'no shared memory'})",
+                      "on" if settings.check else "off", settings.algorithm,
+                      settings.tuning_file or "none")
 
     def configure(self, settings: Settings) -> None:
         """Run every later call under ``settings`` (collective: the ranks must agree on
@@ -156,7 +170,7 @@ class Dispatcher:
                 "(read when it is created); create a new mpitrain.Communicator with them")
         self.settings, self.table = settings, table
         self.device_policy = device_policy(settings)
-        for cache in (self._plans, self._available, self._choices, self._small,
+        for cache in (self._plans, self._available, self._choices, self._logged, self._small,
                       self._small_rs, self._small_ag):
             cache.clear()
 
@@ -233,7 +247,27 @@ class Dispatcher:
             if len(self._choices) >= 1024:
                 self._choices.clear()
             self._choices[key] = choice
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_choice(collective, requested, nbytes, be, dt, choice)
         return choice
+
+    def _log_choice(self, collective: str, requested: str | None, nbytes: int,
+                    be: ArrayBackend, dt: np.dtype[Any], choice: str) -> None:
+        """Log (DEBUG) the algorithm chosen for a kind of call the first time it is
+        chosen for that kind: once per new choice, not per call or size."""
+        kind = (collective, requested, be.name, dt, choice)
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        name = (requested or self.settings.algorithm).lower()
+        why = ("algorithm=" if requested and name == choice else
+               "MPITRAIN_ALGORITHM" if name == choice else
+               f"the selection table ({self.size} ranks on {self.topology.node_count} "
+               f"node(s)" + (f"; {name!r} cannot run here)" if name != "auto" else ")"))
+        policy = self.device_policy.name if be.is_device else HOST.name
+        log.debug("mpitrain rank %d: %s of %d B of %s on %s buffers: algorithm %s, chosen by "
+                  "%s; transfer policy %s", self.rank, collective, nbytes, dtype_name(dt),
+                  be.name, choice, why, policy)
 
     def _choose(self, collective: str, name: str, from_env: bool, nbytes: int,
                 be: ArrayBackend, dt: np.dtype[Any]) -> str:

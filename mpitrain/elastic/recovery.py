@@ -24,6 +24,7 @@ while another still needs it), and the process then ends with ``os._exit(0)``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import cast
 
 from mpi4py import MPI
@@ -32,6 +33,7 @@ from ..comm import exitguard
 from ..communicator import Communicator
 from ..dispatch import Dispatcher
 
+log = logging.getLogger("mpitrain")
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
                              MPI.ERR_REVOKED})
 
@@ -75,9 +77,15 @@ def _revoke(dispatcher: Dispatcher) -> None:
 def rebuild(old: Communicator) -> Communicator:
     """A new communicator of the survivors of ``old`` (collective over the survivors)."""
     abandon(old)
+    log.debug("mpitrain rank %d: elastic: revoked the %d-rank communicator; shrinking it to "
+              "its survivors", old.rank, old.size)
     parent = old.mpi_comm
+    attempt = 0
     while True:
+        attempt += 1
         shrunk = cast(MPI.Intracomm, parent.Shrink())
+        log.debug("mpitrain rank %d: elastic: shrink %d gave %d survivor(s); building their "
+                  "communicator", old.rank, attempt, shrunk.Get_size())
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         comm: Communicator | None = None
         survivors: MPI.Intracomm | None = None
@@ -94,9 +102,13 @@ def rebuild(old: Communicator) -> Communicator:
                 raise
             everywhere = False
         if everywhere and comm is not None and survivors is not None:
+            log.debug("mpitrain rank %d: elastic: every survivor built the new communicator; "
+                      "this rank is now %d of %d", old.rank, comm.rank, comm.size)
             shrunk.Free()
             exitguard.after_recovery(survivors)
             return comm
+        log.debug("mpitrain rank %d: elastic: another rank failed during the rebuild; "
+                  "shrinking again", old.rank)
         if comm is not None:
             abandon(comm)
         with contextlib.suppress(MPI.Exception):

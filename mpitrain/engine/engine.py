@@ -88,6 +88,8 @@ EXIT_TIMEOUT_S = 30.0
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
 
 log = logging.getLogger("mpitrain")
+LOGGED_CYCLES = 256
+"""How many kinds of cycle the DEBUG log remembers as logged (then it starts over)."""
 _LIVE: set[Engine] = set()  # started and not stopped (each is kept alive by its thread)
 _lanes = iter(range(1, 1 << 30))
 
@@ -168,6 +170,7 @@ class Engine:
         they differ), so every rank reaches the same verdict."""
         self._finished = False
         self._freed = False
+        self._logged_cycles: set[tuple[Any, ...]] = set()  # the kinds of cycle logged (DEBUG)
         self._worker = threading.Thread(target=self._loop, daemon=True,
                                         name=f"mpitrain-engine-{self.lane}-rank{self.rank}")
         self._worker.start()
@@ -594,7 +597,10 @@ class Engine:
             for request in ready:
                 tl.span(self.lane, self.lane_name, request.name, "QUEUE",
                         request.submitted_at, agreed_at)
-        for number, bucket in enumerate(plan_buckets(runnable, agreement.threshold)):
+        buckets = plan_buckets(runnable, agreement.threshold)
+        if (buckets or agreement.news) and log.isEnabledFor(logging.DEBUG):
+            self._log_cycle(len(ready), buckets, agreement.threshold)
+        for number, bucket in enumerate(buckets):
             self._run(bucket, number, tl)
         if agreement.abandoned:
             self._give_up(agreement)
@@ -614,6 +620,31 @@ class Engine:
         if tl is not None:
             tl.flush()
         return agreement.news or bool(agreement.ready) or agreement.all_joined
+
+    def _log_cycle(self, ready: int, buckets: list[Bucket], threshold: int) -> None:
+        """Log (DEBUG) what a cycle agreed on, its fusion buckets and the operations that
+        wait for other ranks, the first time a cycle of that kind runs (a training loop's
+        steps repeat a few kinds of cycle: each is logged once; the record is cleared
+        after :data:`LOGGED_CYCLES` kinds)."""
+        layout = tuple((len(b.items), b.nbytes) for b in buckets)
+        waiting = sorted(self._pending)
+        shape = (ready, layout, threshold, tuple(waiting))
+        if shape in self._logged_cycles:
+            return
+        if len(self._logged_cycles) >= LOGGED_CYCLES:
+            self._logged_cycles.clear()
+        self._logged_cycles.add(shape)
+        cycle = self._negotiator.cycle
+        shown = ", ".join(f"{n} op(s) in {b} B" for n, b in layout[:8])
+        log.debug("mpitrain rank %d: engine cycle %d: %d operation(s) agreed by every rank; "
+                  "%d bucket(s) (fusion threshold %d B)%s%s", self.rank, cycle, ready,
+                  len(layout), threshold, ": " if shown else "", shown
+                  + (", ..." if len(layout) > 8 else ""))
+        if waiting:
+            log.debug("mpitrain rank %d: engine cycle %d: %d operation(s) wait for other "
+                      "ranks: %s", self.rank, cycle, len(waiting), "; ".join(
+                          f"{name!r} not yet submitted by rank(s) "
+                          f"{self._negotiator.waiting_for(name)}" for name in waiting[:8]))
 
     def _joined_ready(self, agreement: Agreement) -> tuple[list[Request], list[Request]]:
         """The ready requests of a cycle in which ranks in ``join()`` stand in for names

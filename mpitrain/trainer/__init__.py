@@ -1,6 +1,6 @@
 """Framework-neutral data-parallel training on numpy (or cupy) arrays.
 
-Typical loop under ``mpirun -np N python train.py``::
+Typical loop under ``mpitrain-run -np N python train.py``::
 
     import mpitrain as mt
     from mpitrain import trainer

@@ -7,6 +7,10 @@ line of a ```sh block that starts with ``mpitrain-run`` is run with ``--dry-run`
 (its options must parse), and every ``pip install '.[extras]'`` names extras that
 setup.py has.
 
+A ```text block marked ``<!-- docs-test: output -->`` on the line before its fence is
+the output of the python block before it at 2 ranks: every one of its lines must be
+among the lines that block prints (in any order).
+
 A block that is not meant to run is marked by an HTML comment on the line before its
 fence, which neither GitHub nor the site shows, and which must give a reason::
 
@@ -71,6 +75,19 @@ def code_blocks(page: str) -> list[Block]:
     return blocks
 
 
+OUTPUT = re.compile(r"<!--\s*docs-test:\s*output\s*-->")
+
+
+def shown_output(block: Block) -> list[str] | None:
+    """The lines of the output block shown after the python ``block``, if any."""
+    lines = (ROOT / block.page).read_text(encoding="utf-8").splitlines()
+    following = [b for b in code_blocks(block.page) if b.line > block.line]
+    if not following or following[0].lang != "text":
+        return None
+    before = next(line for line in reversed(lines[:following[0].line - 1]) if line.strip())
+    return following[0].code.splitlines() if OUTPUT.search(before) else None
+
+
 ALL = [block for page in PAGES for block in code_blocks(page)]
 PYTHON = [block for block in ALL if block.lang == "python"]
 SHELL = [block for block in ALL if block.lang in ("sh", "bash", "shell")]
@@ -101,6 +118,12 @@ def test_python_block_runs_at_two_ranks(block: Block, tmp_path: Path) -> None:
     result = run(cmd, TIMEOUT_S, OMP_NUM_THREADS="1")
     assert result.rc == 0, f"{block} failed at {RANKS} ranks (exit {result.rc}):\n" \
         f"{block.code}\n{result.out}"
+    expected = shown_output(block)
+    if expected is not None:
+        printed = result.out.splitlines()
+        missing = [line for line in expected if line not in printed]
+        assert not missing, f"{block} does not print what the page shows: {missing}\n" \
+                            f"{result.out}"
 
 
 def _commands(prefix: str) -> list[tuple[Block, str]]:

@@ -43,7 +43,7 @@ def test_example_trains_checkpoints_and_resumes(kind: str, tmp_path: Path) -> No
     code, out = run(2, [sys.executable, script, "--epochs", "2", *args], 300,
                     OMP_NUM_THREADS="1")
     assert code == 0, out
-    assert "resumed from" in out and "epoch 1 of 2" in out, out
+    assert "resumed from" in out and "(after epoch 1 of 2; training epochs 2 to 2)" in out, out
     assert "epoch 1/2" not in out and "epoch 2/2" in out, out
     accuracy = float(re.search(r"test accuracy: (0\.\d{4})", out).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.5, f"two epochs should beat chance by far: {accuracy}"
@@ -84,20 +84,29 @@ def test_progress_under_mpirun_is_one_line_per_epoch_from_rank_0() -> None:
     raw = read_all(proc, proc.stdout.fileno(), 300)
     assert proc.returncode == 0, raw
     assert b"\r" not in raw, raw  # no bar redrawn in place: the output is a pipe
+    assert b"\n\n" not in raw, raw  # nor the empty line of a bar that could not be drawn
     epochs = [line for line in raw.decode().splitlines() if line.startswith("epoch")]
     assert len(epochs) == 3, raw  # rank 0's lines only
     for i, line in enumerate(epochs, 1):
         assert re.fullmatch(EPOCH_LINE.format(i, 2), line), line
 
 
-def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line() -> None:
+@pytest.mark.parametrize("launched", [False, True], ids=["python", "mpitrain-run"])
+def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line(launched: bool) -> None:
+    """On a terminal the bar is drawn and stays; through mpitrain-run too, whose ranks
+    write to Open MPI's sizeless pseudo-terminal (the launcher passes the width on)."""
     pytest.importorskip("sklearn")
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_numpy.py"),
-                             "--epochs", "3", "--batch-size", "32"], stdin=subprocess.DEVNULL,
+    script = [sys.executable, str(ROOT / "examples" / "train_numpy.py"), "--epochs", "3",
+              "--batch-size", "32"]
+    if launched:
+        script = [sys.executable, "-m", "mpitrain.run", "-np", "2", *script]
+        env["MPITRAIN_FALLBACK_NOTICE"] = "0"
+    ranks = 2 if launched else 1
+    proc = subprocess.Popen(script, stdin=subprocess.DEVNULL,
                             stdout=secondary, stderr=secondary, env=env, start_new_session=True)
     os.close(secondary)
     try:
@@ -108,6 +117,23 @@ def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line() -> None:
     text = raw.decode().replace("\r\n", "\n")  # the terminal ends lines with \r\n
     assert re.search(r"\repoch 1/3:  *\d+%\|", text), text  # tqdm's bar, drawn in place
     shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]  # what stays on screen
-    assert [line for line in shown if line.startswith("epoch")] == [
-        line for line in shown if re.fullmatch(EPOCH_LINE.format("[123]", 1), line)], text
-    assert len([line for line in shown if line.startswith("epoch")]) == 3, text
+    epochs = [line for line in shown if line.startswith("epoch")]
+    # per epoch the bar stays, complete, then the epoch's line
+    assert len(epochs) == 6, text
+    for i, (bar, line) in enumerate(zip(epochs[::2], epochs[1::2]), 1):
+        assert re.match(rf"epoch {i}/3: 100%\|", bar), text
+        assert re.fullmatch(EPOCH_LINE.format(i, ranks), line), text
+
+
+def test_train_refuses_cuda_without_a_gpu_on_every_rank() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/mpi/test_torch_cuda.py covers training on it")
+    code, out = run(2, [sys.executable, str(ROOT / "examples" / "train.py"), "--device", "cuda",
+                        "--epochs", "1"], 120, OMP_NUM_THREADS="1")
+    assert code != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: --device cuda needs a GPU and a CUDA build of torch" in out, out

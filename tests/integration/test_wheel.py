@@ -143,12 +143,16 @@ def test_build_without_compiler_says_so_and_holds_no_extension(pure: Build) -> N
 
 
 def check_pure_python_parts(build: Build) -> None:
-    """What every wheel holds: the benchmarks package, the CUDA kernels, the licence and
-    the ``mpitrain-bench`` console script."""
+    """What every wheel holds: the benchmarks as ``mpitrain.benchmarks`` (no top-level
+    package but ``mpitrain``), the CUDA kernels, the licence and the ``mpitrain-bench``
+    console script."""
     names = build.names()
-    for module in ("benchmarks/__main__.py", "benchmarks/harness.py",
-                   "benchmarks/collectives/allreduce.py", "benchmarks/BENCHMARKS.template.md"):
-        assert module in names
+    for module in ("__main__.py", "harness.py", "collectives/allreduce.py",
+                   "BENCHMARKS.template.md"):
+        assert f"mpitrain/benchmarks/{module}" in names
+    assert {n.split("/", 1)[0] for n in names} == {"mpitrain", build.wheel.name.split("-")[0]
+                                                   + "-" + build.wheel.name.split("-")[1]
+                                                   + ".dist-info"}
     kernels = sorted(p.name for p in (ROOT / "kernels").iterdir())
     assert sorted(n.rpartition("/")[2] for n in names
                   if n.startswith("mpitrain/kernels/")) == kernels
@@ -156,7 +160,7 @@ def check_pure_python_parts(build: Build) -> None:
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     with zipfile.ZipFile(build.wheel) as archive:
         scripts = archive.read(entry_points).decode()
-    assert "mpitrain-bench = benchmarks.__main__:run" in scripts
+    assert "mpitrain-bench = mpitrain.benchmarks.__main__:run" in scripts
     assert "mpitrain-run = mpitrain.launcher:main" in scripts
     assert not any(n.startswith(("tests/", "examples/")) for n in names)
 

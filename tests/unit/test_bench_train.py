@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -121,18 +122,31 @@ def test_options_default_to_both_models_without_compression() -> None:
     assert train.parse_args(["--fp16", "--model", "convnet"]).compression == "fp16"
 
 
-def test_command_line_shows_how_idle_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_line_reproduces_how_the_ranks_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import common
 
     for name in common.YIELD_MCA:
         monkeypatch.delenv(f"OMPI_MCA_{name}", raising=False)
     monkeypatch.delenv("MPITRAIN_CHECK", raising=False)
-    assert common.command_line(["train"], 2).endswith("mpirun -np 2 python -m benchmarks train")
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    # pinned, busy-polling (plain mpirun where the ranks fit the cores)
+    monkeypatch.setattr(common, "bound_to_cores", lambda: True)
+    assert common.command_line(["train"], 2) == " ".join(
+        ["mpirun", *root, "--mca osc ^ucx -np 2 python -m benchmarks train"])
     assert common.idle_wait() == "busy-poll"
+    # unpinned and yielding because the ranks outnumber the cores: what mpitrain-run does
+    monkeypatch.setattr(common, "bound_to_cores", lambda: False)
     monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
-    assert "mpirun --mca mpi_yield_when_idle 1 -np 4 python -m benchmarks train" \
-        in common.command_line(["train"], 4)
+    monkeypatch.setenv("OMPI_MCA_threads_pthreads_yield_strategy", "nanosleep")
+    monkeypatch.setenv("MPITRAIN_RESTART", "0")
+    assert common.command_line(["train"], 4) == "mpitrain-run -np 4 python -m benchmarks train"
     assert common.idle_wait() == "yield"
+    # unpinned and yielding although the ranks fit: mpirun with every flag
+    assert common.command_line(["train"], 2) == " ".join(
+        ["mpirun", *root, "--bind-to none --mca mpi_yield_when_idle 1 --mca "
+         "threads_pthreads_yield_strategy nanosleep --mca osc ^ucx -np 2 python -m "
+         "benchmarks train"])
 
 
 def test_the_report_bounds_ddp_over_impl_by_the_one_rank_step() -> None:

@@ -315,7 +315,8 @@ def test_main_prints_table_and_writes_json_and_plot(
             "--json", str(json_path), "--plot", str(plot_path)]
     assert harness.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"# command   : mpirun -np 1 python -m benchmarks {' '.join(argv)}" in out
+    # a lone unpinned rank, as mpitrain-run starts it
+    assert f"mpitrain-run -np 1 python -m benchmarks {' '.join(argv)}\n" in out
     assert "# Out of bounds values : 0 OK" in out
     doc = json.loads(json_path.read_text())
     assert doc["command"].endswith(" ".join(argv))
@@ -454,3 +455,54 @@ def test_plot_without_matplotlib_is_refused_before_measuring(
     with pytest.raises(SystemExit) as exit_info:
         harness.parse_args(["allreduce", "--plot", "x.png"], 2, quiet=True)
     assert exit_info.value.code == 2
+
+
+def test_the_spread_table_has_min_avg_median_max_per_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert harness.main(["allreduce", "-b", "8", "-e", "16", "-n", "3", "-w", "0",
+                         "--outputs", "given", "--no-inplace"]) == 0
+    out = capsys.readouterr().out
+    spread = out.split("# Spread of the timed runs (us): min/avg/median/max", 1)[1]
+    lines = spread.splitlines()[1:4]
+    assert lines[0].split()[-2:] == ["mpitrain", "mpi"]
+    for size, line in zip(("8", "16"), lines[1:]):
+        cells = line.lstrip("#").split()
+        assert cells[0] == size
+        for cell in cells[1:]:
+            low, mean, median, high = map(float, cell.split("/"))
+            assert low <= median <= high and low <= mean <= high
+
+
+def test_the_per_call_cost_is_only_called_so_at_small_sizes() -> None:
+    def result(size: int, impl: str, us: float) -> harness.Result:
+        return harness.Result(size, size // 4, "float32", "sum", -1, impl, False, us, us, us,
+                              0.0, 0.0, 0)
+
+    small = [result(8, "mpitrain", 30.0), result(8, "mpi", 20.0)]
+    assert harness.overhead_lines(small)[0].startswith("# Per-call cost at 8 B : ")
+    large = [result(1 << 20, "mpitrain", 900.0), result(1 << 20, "mpi", 1000.0)]
+    line = harness.overhead_lines(large)[0]
+    assert "Per-call cost" not in line and line.startswith("# Smallest size, 1048576 B : ")
+
+
+def test_help_names_the_command_and_lists_every_benchmark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    monkeypatch.setattr(common.sys, "argv", ["/venv/bin/mpitrain-bench", "--help"])
+    text = harness.build_parser().format_help()
+    assert text.startswith("usage: mpitrain-bench ")
+    for other in ("fusion", "train", "latency"):
+        assert f"mpitrain-bench {other} -h" in text, text
+    monkeypatch.setattr(common.sys, "argv", ["/clone/benchmarks/__main__.py"])
+    assert harness.build_parser().format_help().startswith("usage: python -m benchmarks ")
+
+
+def test_latency_runs_as_a_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import __main__ as entry
+    from benchmarks import latency
+
+    seen = []
+    monkeypatch.setattr(latency, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert entry.main(["latency", "--sizes", "4"]) == 0
+    assert seen == [["--sizes", "4"]]

@@ -300,3 +300,17 @@ def test_finds_mpiexec_and_rejects_bad_arguments(clean_env: pytest.MonkeyPatch,
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
 
+
+
+def test_tune_reports_times_margins_and_open_ended_rules() -> None:
+    from mpitrain import tune
+
+    table = {4: {"shm": 2e-6, "mpi": 3e-6, "ring": 9e-6},
+             4096: {"shm": 5e-6, "mpi": 4e-6, "ring": 9e-6}}
+    lines = tune.report("allreduce", table, tune.rules_from("allreduce", table, 2))
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
+    assert rows["4"] == ["4", "shm", "2.00", "mpi", "3.00", "+50%"]
+    assert rows["4096"] == ["4096", "mpi", "4.00", "shm", "5.00", "+25%"]
+    assert lines[4] == "allreduce rule: 0 B .. 128 B: shm"
+    assert lines[5] == "allreduce rule: 128 B .. and up: mpi"
+    assert not any(str(1 << 62) in line for line in lines)

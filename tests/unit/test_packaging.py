@@ -32,21 +32,49 @@ def test_wheel_lists_every_package_of_the_tree(pyproject: dict[str, Any]) -> Non
         pytest.skip("not a git checkout")
     packages = {str(Path(f).parent).replace("/", ".") for f in run.stdout.split()
                 if f.endswith("/__init__.py")}
-    assert set(tool["packages"]) == packages | {"mpitrain.kernels"}
-    assert tool["package-dir"] == {"mpitrain.kernels": "kernels"}
+    # benchmarks/ goes into the wheel as mpitrain.benchmarks: no top-level name but mpitrain
+    installed = {"mpitrain." + p if p.startswith("benchmarks") else p for p in packages}
+    assert set(tool["packages"]) == installed | {"mpitrain.kernels"}
+    assert all(p == "mpitrain" or p.startswith("mpitrain.") for p in tool["packages"])
+    assert tool["package-dir"] == {"mpitrain.kernels": "kernels",
+                                   "mpitrain.benchmarks": "benchmarks"}
     assert (ROOT / "kernels" / "common.cuh").is_file()  # what mpitrain.backends.kernels loads
 
 
 @pytest.mark.parametrize("script, target", [
     ("mpitrain-run", "mpitrain.launcher:main"),
     ("mpitrain-tune", "mpitrain.tune:main"),
-    ("mpitrain-bench", "benchmarks.__main__:run"),
+    ("mpitrain-bench", "mpitrain.benchmarks.__main__:run"),
 ])
 def test_console_scripts_name_functions_that_exist(
         pyproject: dict[str, Any], script: str, target: str) -> None:
     assert pyproject["project"]["scripts"][script] == target
     module, _, function = target.partition(":")
+    # a package the wheel maps from another folder is imported from that folder here
+    for package, folder in pyproject["tool"]["setuptools"]["package-dir"].items():
+        if module.startswith(package + "."):
+            module = folder.replace("/", ".") + module[len(package):]
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_make_docs_installs_the_docs_tools_only() -> None:
+    """``make docs`` reads the sources: it must not reinstall (and recompile) mpitrain."""
+    import sys
+
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    rule = makefile.split("\n$(VENV)/.docs:", 1)[1].split("\n\n", 1)[0]
+    prerequisites, _, recipe = rule.partition("\n")
+    assert "setup.py" not in prerequisites
+    assert "pip install" in recipe and ".[" not in recipe and " -e " not in recipe, recipe
+    assert "tools/extra_requirements.py docs" in recipe
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import extra_requirements
+    finally:
+        sys.path.pop(0)
+    assert extra_requirements.requirements("docs") == \
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+            "optional-dependencies"]["docs"]
 
 
 def test_version_comes_from_the_package_only(pyproject: dict[str, Any]) -> None:
