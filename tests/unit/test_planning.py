@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -157,6 +158,9 @@ def test_not_initialized_message(monkeypatch: pytest.MonkeyPatch) -> None:
     from mpitrain import session
 
     monkeypatch.setattr(session, "_default", None)
+    # a program without the Horovod adapter (other tests here import it: then the
+    # message names hvd.init(), tests/unit/test_not_initialized.py)
+    monkeypatch.delitem(sys.modules, "mpitrain.torch", raising=False)
     with pytest.raises(mt.NotInitializedError, match=r"call mpitrain\.init"):
         mt.rank()
     assert not mt.is_initialized()
