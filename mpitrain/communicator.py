@@ -161,10 +161,10 @@ class Communicator:
                 f"{self.local_rank}/{self.local_size}, cross {self.cross_rank}/{self.cross_size}>")
 
     # -- blocking collectives ----------------------------------------------------------
-    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  out: Array | None = None, name: str | None = None, *,
-                  stream: Any = None) -> Array:
+    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, *,
+                  algorithm: str | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, out: Array | None = None,
+                  name: str | None = None, stream: Any = None) -> Array:
         """Reduce ``x`` elementwise over all ranks and return the result on every rank.
 
         Args:
@@ -190,9 +190,9 @@ class Communicator:
         return self.dispatcher.allreduce(x, op, algorithm, prescale_factor, postscale_factor,
                                          out, name, stream=stream)
 
-    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, *,
                    algorithm: str | None = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0, name: str | None = None, *,
+                   postscale_factor: float = 1.0, name: str | None = None,
                    stream: Any = None) -> Array:
         """In-place :meth:`allreduce`: ``x`` is overwritten with the result and returned.
 
@@ -204,9 +204,9 @@ class Communicator:
         return self.dispatcher.allreduce_(x, op, algorithm, prescale_factor, postscale_factor,
                                           name, stream=stream)
 
-    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, *,
                        algorithm: str | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, name: str | None = None, *,
+                       postscale_factor: float = 1.0, name: str | None = None,
                        out: Array | None = None, stream: Any = None) -> Array:
         """Reduce ``x`` over ranks and return this rank's block of axis 0.
 
@@ -228,7 +228,7 @@ class Communicator:
         return self.dispatcher.reduce_scatter(x, op, algorithm, prescale_factor,
                                               postscale_factor, name, out=out, stream=stream)
 
-    def allgather(self, x: Array, algorithm: str | None = None, name: str | None = None, *,
+    def allgather(self, x: Array, *, algorithm: str | None = None, name: str | None = None,
                   out: Array | None = None, stream: Any = None) -> Array:
         """Concatenate every rank's ``x`` along axis 0.
 
@@ -246,8 +246,8 @@ class Communicator:
             self._joined_error("allgather")
         return self.dispatcher.allgather(x, algorithm, name, out=out, stream=stream)
 
-    def broadcast(self, x: Array, root: int = 0, algorithm: str | None = None,
-                  name: str | None = None, *, stream: Any = None) -> Array:
+    def broadcast(self, x: Array, root: int = 0, *, algorithm: str | None = None,
+                  name: str | None = None, stream: Any = None) -> Array:
         """Return a copy of the root's ``x`` on every rank.
 
         On other ranks ``x`` only gives the shape and dtype (like Horovod). ``stream``
@@ -257,8 +257,8 @@ class Communicator:
             self._joined_error("broadcast")
         return self.dispatcher.broadcast(x, root, algorithm, name, stream=stream)
 
-    def broadcast_(self, x: Array, root: int = 0, algorithm: str | None = None,
-                   name: str | None = None, *, stream: Any = None) -> Array:
+    def broadcast_(self, x: Array, root: int = 0, *, algorithm: str | None = None,
+                   name: str | None = None, stream: Any = None) -> Array:
         """Overwrite ``x`` on every rank with the root's ``x``; returns ``x``."""
         if self._engine is not None and self._engine.joined:
             self._joined_error("broadcast_")
@@ -326,9 +326,10 @@ class Communicator:
             self._engine.join_serves = serves
 
     # -- asynchronous collectives ------------------------------------------------------
-    def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, name: str | None = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
+    def allreduce_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                        name: str | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, algorithm: str | None = None,
+                        stream: Any = None) -> Handle:
         """Start an allreduce of ``x``; ``wait()`` returns a new array with the result.
 
         Arguments are those of :meth:`allreduce`, plus ``name`` (see the class
@@ -341,67 +342,72 @@ class Communicator:
         return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
                                        algorithm, False, stream)
 
-    def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
+    def allreduce_async_(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                          name: str | None = None, prescale_factor: float = 1.0,
-                         postscale_factor: float = 1.0, algorithm: str | None = None, *,
+                         postscale_factor: float = 1.0, algorithm: str | None = None,
                          stream: Any = None) -> Handle:
         """Start an in-place allreduce of ``x``; ``wait()`` returns ``x``, reduced."""
         return self.engine().allreduce(x, op, name, prescale_factor, postscale_factor,
                                        algorithm, True, stream)
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
-                                name: str | None = None, prescale_factor: float = 1.0,
+                                *, name: str | None = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0,
-                                algorithm: str | None = None, *, stream: Any = None) -> Handle:
+                                algorithm: str | None = None, stream: Any = None) -> Handle:
         """Start one fused allreduce of every array of ``xs`` (one collective per dtype,
         whatever the fusion threshold); ``wait()`` returns the list of new arrays."""
         return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
                                                algorithm, False, stream)
 
-    def grouped_allreduce_async_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+    def grouped_allreduce_async_(self, xs: Sequence[Any],
+                                 op: ReduceOp | str = ReduceOp.SUM, *,
                                  name: str | None = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0,
-                                 algorithm: str | None = None, *, stream: Any = None) -> Handle:
+                                 algorithm: str | None = None, stream: Any = None) -> Handle:
         """In-place :meth:`grouped_allreduce_async`; ``wait()`` returns ``xs`` as a list."""
         return self.engine().grouped_allreduce(xs, op, name, prescale_factor, postscale_factor,
                                                algorithm, True, stream)
 
-    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
                           name: str | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0, algorithm: str | None = None) -> list[Any]:
+                          postscale_factor: float = 1.0,
+                          algorithm: str | None = None) -> list[Any]:
         """Allreduce every array of ``xs`` in one fused collective; returns new arrays."""
-        return self.grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor,
-                                            algorithm).wait()
+        return self.grouped_allreduce_async(xs, op, name=name, prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor,
+                                            algorithm=algorithm).wait()
 
-    def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+    def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
                            name: str | None = None, prescale_factor: float = 1.0,
                            postscale_factor: float = 1.0,
                            algorithm: str | None = None) -> list[Any]:
         """In-place :meth:`grouped_allreduce`; returns ``xs`` as a list."""
-        return self.grouped_allreduce_async_(xs, op, name, prescale_factor, postscale_factor,
-                                             algorithm).wait()
+        return self.grouped_allreduce_async_(xs, op, name=name,
+                                             prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor,
+                                             algorithm=algorithm).wait()
 
-    def allgather_async(self, x: Any, name: str | None = None,
-                        algorithm: str | None = None, *, stream: Any = None,
+    def allgather_async(self, x: Any, *, name: str | None = None,
+                        algorithm: str | None = None, stream: Any = None,
                         out: Any = None) -> Handle:
         """Start :meth:`allgather`; ``wait()`` returns the result (``out``, if given: as
         for :meth:`allgather`; its row count must be the same on every rank)."""
         return self.engine().allgather(x, name, algorithm, stream, out)
 
-    def broadcast_async(self, x: Any, root: int = 0, name: str | None = None,
-                        algorithm: str | None = None, *, stream: Any = None) -> Handle:
+    def broadcast_async(self, x: Any, root: int = 0, *, name: str | None = None,
+                        algorithm: str | None = None, stream: Any = None) -> Handle:
         """Start :meth:`broadcast`; ``wait()`` returns a new array."""
         return self.engine().broadcast(x, root, name, algorithm, False, stream)
 
-    def broadcast_async_(self, x: Any, root: int = 0, name: str | None = None,
-                         algorithm: str | None = None, *, stream: Any = None) -> Handle:
+    def broadcast_async_(self, x: Any, root: int = 0, *, name: str | None = None,
+                         algorithm: str | None = None, stream: Any = None) -> Handle:
         """Start an in-place broadcast from ``root``; ``wait()`` returns ``x``."""
         return self.engine().broadcast(x, root, name, algorithm, True, stream)
 
-    def reduce_scatter_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM,
+    def reduce_scatter_async(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                              name: str | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0,
-                             algorithm: str | None = None, *, stream: Any = None) -> Handle:
+                             postscale_factor: float = 1.0, algorithm: str | None = None,
+                             stream: Any = None) -> Handle:
         """Start :meth:`reduce_scatter`; ``wait()`` returns this rank's block."""
         return self.engine().reduce_scatter(x, op, name, prescale_factor, postscale_factor,
                                             algorithm, stream)

@@ -110,12 +110,12 @@ class Reduction:
         packed = [self.compression.compress(v) for v in values]
         sent = [c for c, _ in packed]
         buffers = [view(c) for c in sent]
+        scaling = {"name": name, "prescale_factor": self.prescale,
+                   "postscale_factor": self.postscale, "stream": stream(sent[0])}
         if len(buffers) == 1:
-            handle = self.comm.allreduce_async_(buffers[0], self.op, name, self.prescale,
-                                                self.postscale, stream=stream(sent[0]))
+            handle = self.comm.allreduce_async_(buffers[0], self.op, **scaling)
         else:
-            handle = self.comm.grouped_allreduce_async_(buffers, self.op, name, self.prescale,
-                                                        self.postscale, stream=stream(sent[0]))
+            handle = self.comm.grouped_allreduce_async_(buffers, self.op, **scaling)
         folds = bool(getattr(self.compression, "casts", False))
 
         def collect() -> list[Any]:

@@ -340,7 +340,8 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
         buffer = as_buffer(work)
         stream = producer_stream(work)
     if output is not None:  # in place
-        handle = comm.allreduce_async_(buffer, how.op, name, how.prescale, how.postscale,
+        handle = comm.allreduce_async_(buffer, how.op, name=name,
+                                       prescale_factor=how.prescale, postscale_factor=how.postscale,
                                        stream=stream)
 
         def finish() -> torch.Tensor:
@@ -349,7 +350,8 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                 tensor.copy_(work)
             return _scale_(tensor, how.after)
         return _register([handle], finish)
-    handle = comm.allreduce_async(buffer, how.op, name, how.prescale, how.postscale,
+    handle = comm.allreduce_async(buffer, how.op, name=name,
+                                  prescale_factor=how.prescale, postscale_factor=how.postscale,
                                   stream=stream)
     return _register([handle], lambda: _scale_(_on_device_of(tensor, from_buffer(handle.wait())),
                                                how.after))
@@ -460,13 +462,14 @@ def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | N
         buffers = [as_buffer(w) for w in work]
         stream = producer_stream(work[0]) if work else None
     if not inplace:
-        handle = comm.grouped_allreduce_async(buffers, how.op, name, how.prescale,
-                                              how.postscale, stream=stream)
+        handle = comm.grouped_allreduce_async(buffers, how.op, name=name,
+                                              prescale_factor=how.prescale,
+                                              postscale_factor=how.postscale, stream=stream)
         return _register([handle], lambda: [_scale_(_on_device_of(t, from_buffer(r)),
                                                      how.after)
                                             for t, r in zip(tensors, handle.wait())])
-    handle = comm.grouped_allreduce_async_(buffers, how.op, name, how.prescale,
-                                           how.postscale, stream=stream)
+    handle = comm.grouped_allreduce_async_(buffers, how.op, name=name, prescale_factor=how.prescale,
+                                           postscale_factor=how.postscale, stream=stream)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
@@ -566,7 +569,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     comm = _comm(process_set)
     with _refusing(comm, "allgather", name):
         buffer = as_buffer(tensor)
-    handle = comm.allgather_async(buffer, name, stream=producer_stream(tensor))
+    handle = comm.allgather_async(buffer, name=name, stream=producer_stream(tensor))
     return _register([handle], lambda: from_buffer(handle.wait()))
 
 
@@ -609,9 +612,9 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
         buffer = as_buffer(work)
     stream = producer_stream(work)
     if not inplace:
-        handle = comm.broadcast_async(buffer, root, name, stream=stream)
+        handle = comm.broadcast_async(buffer, root, name=name, stream=stream)
         return _register([handle], lambda: from_buffer(handle.wait()))
-    handle = comm.broadcast_async_(buffer, root, name, stream=stream)
+    handle = comm.broadcast_async_(buffer, root, name=name, stream=stream)
 
     def finish() -> torch.Tensor:
         handle.wait()
@@ -703,7 +706,8 @@ def _submit_reducescatter(comm: Communicator, source: tuple[Any, Any], how: _Sca
                           name: str | None) -> int:
     """Submit the reduce-scatter of a prepared ``(buffer, stream)``; returns its handle."""
     buffer, stream = source
-    handle = comm.reduce_scatter_async(buffer, how.op, name, how.prescale, how.postscale,
+    handle = comm.reduce_scatter_async(buffer, how.op, name=name,
+                                       prescale_factor=how.prescale, postscale_factor=how.postscale,
                                        stream=stream)
     return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
@@ -768,7 +772,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     names = [_member(name, i) for i in range(len(tensors))]
     with _refusing(comm, "allgather", *names):  # no member is submitted unless all can be
         buffers = [as_buffer(t) for t in tensors]
-    handles = [comm.allgather_async(b, n, stream=producer_stream(t))
+    handles = [comm.allgather_async(b, name=n, stream=producer_stream(t))
                for b, n, t in zip(buffers, names, tensors)]
     return _register(handles, lambda: [from_buffer(h.wait()) for h in handles])
 

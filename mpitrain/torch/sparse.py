@@ -98,8 +98,8 @@ def start_sparse_allreduce(comm: Communicator, prepared: SparseInput, name: str 
     """
     t, rop, sizes = prepared.tensor, prepared.op, prepared.sizes
     rows_name, values_name = sparse_part_names(name)
-    rows_handle = comm.allgather_async(prepared.rows, rows_name)
-    values_handle = comm.allgather_async(prepared.values, values_name)
+    rows_handle = comm.allgather_async(prepared.rows, name=rows_name)
+    values_handle = comm.allgather_async(prepared.values, name=values_name)
 
     def finish() -> torch.Tensor:
         gathered = from_buffer(rows_handle.wait())
