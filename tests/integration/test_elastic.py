@@ -90,6 +90,16 @@ def test_a_rank_lost_during_the_first_sync(tmp_path: Path, victim: int) -> None:
         np.testing.assert_allclose(log["final"], final, rtol=1e-12)
 
 
+def test_a_job_whose_every_rank_failed_exits_non_zero(tmp_path: Path) -> None:
+    """Under ULFM ``mpiexec`` exits 0 even when every rank died by a signal (here each one
+    raising, which kills it under --elastic); the launcher reports the failure."""
+    script = tmp_path / "fail.py"
+    script.write_text("import mpitrain as mt\nmt.init()\nraise RuntimeError('on purpose')\n")
+    result = finish(start(launcher(["-np", "2", "--elastic", str(script)])), TIMEOUT_S)
+    assert result.rc == 1, result.out
+    assert "every rank failed" in result.out
+
+
 @pytest.mark.parametrize("code", [0, 3])
 def test_sys_exit_inside_the_run_is_a_rank_failure(tmp_path: Path, code: int) -> None:
     """Under --elastic a rank that calls sys.exit() mid-training (any status) is lost
