@@ -257,12 +257,19 @@ def test_autograd() -> None:
     (gathered * weights).sum().backward()
     start = r * (r + 1) // 2
     rows = torch.arange(start, start + r + 1, dtype=torch.float64).unsqueeze(1)
-    check(torch.allclose(g.grad, (rows * n * (n + 1) / 2).expand(r + 1, 2)), "allgather backward")
+    # Horovod's gradients: allgather and broadcast average the ranks' gradients
+    check(torch.allclose(g.grad, (rows * (n + 1) / 2).expand(r + 1, 2)), "allgather backward")
+    g2 = [torch.ones(r + 1, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gathered2 = hvd.grouped_allgather(g2)
+    (gathered2[0].sum() * (r + 1) + gathered2[1].sum() * 2).backward()
+    check(torch.allclose(g2[0].grad, torch.full((r + 1,), (n + 1) / 2, dtype=torch.float64))
+          and torch.allclose(g2[1].grad, torch.full((r + 1,), 2.0, dtype=torch.float64)),
+          "grouped_allgather backward")
 
     root = n - 1
     c = rank_tensor(3).requires_grad_()
     (hvd.broadcast(c, root) * (r + 1)).sum().backward()
-    want_c = torch.full((3,), n * (n + 1) / 2) if r == root else torch.zeros(3)
+    want_c = torch.full((3,), (n + 1) / 2) if r == root else torch.zeros(3)
     check(torch.allclose(c.grad, want_c.double()), "broadcast backward")
 
     t = torch.ones(n, 1, dtype=torch.float64, requires_grad=True)
@@ -270,10 +277,20 @@ def test_autograd() -> None:
     check(torch.allclose(t.grad.reshape(-1), torch.arange(1, n + 1, dtype=torch.float64)),
           "alltoall backward")
 
+    # reducescatter: the gathered gradient, times the scaling factors, times n for Sum
+    per_row = torch.arange(1, n + 1, dtype=torch.float64).unsqueeze(1).expand(n, 2)
     s = torch.ones(n, 2, dtype=torch.float64, requires_grad=True)
     (hvd.reducescatter(s, op=hvd.Sum) * (r + 1)).sum().backward()
-    check(torch.allclose(s.grad, torch.arange(1, n + 1, dtype=torch.float64)
-                         .unsqueeze(1).expand(n, 2)), "reducescatter backward")
+    check(torch.allclose(s.grad, per_row * n), "reducescatter Sum backward")
+    s.grad = None
+    (hvd.reducescatter(s, prescale_factor=3.0, postscale_factor=0.5) * (r + 1)).sum().backward()
+    check(torch.allclose(s.grad, per_row * 1.5), "reducescatter Average backward")
+    s2 = [torch.ones(n, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    blocks = hvd.grouped_reducescatter(s2, op=hvd.Sum)
+    (blocks[0].sum() * (r + 1) + blocks[1].sum()).backward()
+    check(torch.allclose(s2[0].grad, per_row * n)
+          and torch.allclose(s2[1].grad, torch.full((n, 2), float(n), dtype=torch.float64)),
+          "grouped_reducescatter backward")
     m = rank_tensor(3).requires_grad_()
     with pytest.raises(ValueError, match="gradient of allreduce"):
         hvd.allreduce(m, op=hvd.Max).sum().backward()

@@ -144,12 +144,13 @@ def test_gradients_flow_within_the_set() -> None:
         hvd.allreduce(x, op=hvd.Sum, process_set=ps).sum().backward()
         assert torch.equal(x.grad, torch.full_like(x, float(ps.size())))
         y = rows(me).requires_grad_()
-        (hvd.allgather(y, process_set=ps) * 2).sum().backward()
-        assert torch.equal(y.grad, torch.full_like(y, 2.0 * ps.size()))
+        (hvd.allgather(y, process_set=ps) * (me + 1)).sum().backward()  # averaged over the set
+        mean = sum(r + 1 for r in ps.ranks) / ps.size()
+        assert torch.allclose(y.grad, torch.full_like(y, mean))
         z = value(me).requires_grad_()
-        hvd.broadcast(z, ps.ranks[0], process_set=ps).sum().backward()
-        expected = float(ps.size()) if me == ps.ranks[0] else 0.0
-        assert torch.equal(z.grad, torch.full_like(z, expected))
+        (hvd.broadcast(z, ps.ranks[0], process_set=ps) * (me + 1)).sum().backward()
+        expected = mean if me == ps.ranks[0] else 0.0
+        assert torch.allclose(z.grad, torch.full_like(z, expected))
     hvd.barrier()
 
 
