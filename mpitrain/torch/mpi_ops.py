@@ -542,12 +542,24 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
 
 # -- sparse allreduce -------------------------------------------------------------------
+class SparseHandle(int):
+    """The handle of :func:`sparse_allreduce_async`: an integer handle like the others
+    (:func:`poll`, :func:`synchronize`), and callable, as Horovod's: ``handle()`` is
+    ``synchronize(handle)``."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return synchronize(self)
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
                            op: Any = Average,
                            process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a sparse COO tensor: every rank's indices and values are
-    allgathered (:mod:`.sparse`); returns a handle whose :func:`synchronize` gives the
-    coalesced sparse sum, its values divided by the rank count for ``op=Average``.
+    allgathered (:mod:`.sparse`); returns a :class:`SparseHandle` whose
+    :func:`synchronize` (or call, as in Horovod) gives the coalesced sparse sum, its
+    values divided by the rank count for ``op=Average``.
 
     The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
     and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
@@ -556,7 +568,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     with _refusing(comm, "allgather", *sparse_part_names(name)):
         prepared = prepare_sparse_allreduce(tensor, op, comm.rank)
     handles, finish = start_sparse_allreduce(comm, prepared, name)
-    return _register(handles, finish)
+    return SparseHandle(_register(handles, finish))
 
 
 # -- allgather, broadcast, reducescatter ----------------------------------------------
