@@ -369,3 +369,24 @@ def test_init_on_a_subset_of_the_world() -> None:
         hvd.init(comm=[0, 0])
     hvd.init()
     check(hvd.size() == n, "back on every rank")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("on_a_set", [False, True])
+def test_first_async_call_needs_no_other_rank(on_a_set: bool) -> None:
+    """hvd.init (and add_process_set) start the async engine, as Horovod starts its
+    background thread: a rank's first async call is then its own, so rank 0's named
+    operation may wait while the others are in a barrier (a named operation is matched
+    by name, a barrier waits for the ranks only), and the others submit theirs after."""
+    n, me = hvd.size(), hvd.rank()
+    ps = hvd.add_process_set([0, 1]) if on_a_set and n > 2 else hvd.global_process_set
+    if ps.included():
+        members = ps.ranks if ps.ranks else list(range(n))
+        if me == members[0]:
+            handle = hvd.allreduce_async(value(me), name="first", op=hvd.Sum, process_set=ps)
+            hvd.barrier(process_set=ps)
+        else:
+            hvd.barrier(process_set=ps)
+            handle = hvd.allreduce_async(value(me), name="first", op=hvd.Sum, process_set=ps)
+        assert torch.equal(hvd.synchronize(handle), sum(value(r) for r in members))
+    hvd.barrier()
