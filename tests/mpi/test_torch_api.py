@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -323,6 +326,28 @@ def test_barrier_join_objects() -> None:
     assert hvd.allgather_object(hvd.rank() ** 2) == [r * r for r in range(hvd.size())]
     with pytest.raises(ValueError, match="root=99"):
         hvd.broadcast_object(1, root_rank=99)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier_returns_on_no_rank_before_the_last_has_entered() -> None:
+    """Each rank in turn enters late, right after creating a file; every rank finds that
+    file once its barrier returns. The late rank first completes an allreduce with the
+    others, as Horovod's test_global_barrier_op does, so they are in the barrier already
+    (the sleep only makes an early return likely; the check is the file, not a clock)."""
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    try:
+        for late in range(hvd.size()):
+            marker = os.path.join(folder, f"entered{late}")
+            hvd.allreduce_(torch.ones(1), None, f"before_barrier{late}", hvd.Sum)
+            if hvd.rank() == late:
+                time.sleep(0.2)
+                open(marker, "w").close()
+            hvd.barrier()
+            check(os.path.exists(marker), f"barrier returned before rank {late} entered it")
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(folder)
 
 
 def roots_model(root: int) -> tuple[Any, Any]:
