@@ -321,3 +321,13 @@ def test_only_allreduces_run_while_a_rank_is_joined() -> None:
     after = hvd.allgather(torch.full((1, 2), float(me)), name="after.join")
     check(torch.equal(after, torch.arange(n, dtype=torch.float32).repeat_interleave(2)
                       .reshape(n, 2)), f"allgather after join: {after}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.float32])
+def test_reducescatter_refuses_adasum_for_every_dtype(dtype: Any) -> None:
+    """As Horovod: Adasum is an allreduce only; reducescatter with it raises a
+    RuntimeError on every rank, integers included (not a dtype complaint)."""
+    with pytest.raises(RuntimeError, match="Adasum is an allreduce only"):
+        hvd.reducescatter(torch.ones(4 * hvd.size(), dtype=dtype), op=hvd.Adasum)
+    hvd.barrier()
