@@ -42,10 +42,12 @@ from .tensors import as_buffer, host_copy, producer_stream, to_device_of
 class TensorBridge:
     """Gradients are ``p.grad`` tensors: dense ones are allreduced (sparse ones densified
     first with ``sparse_as_dense``), sparse ones allgathered as in Horovod
-    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`)."""
+    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`). ``sparse_only``: the
+    optimizer takes sparse gradients only (``SparseAdam``)."""
 
-    def __init__(self, sparse_as_dense: bool) -> None:
+    def __init__(self, sparse_as_dense: bool, sparse_only: bool = False) -> None:
         self.sparse_as_dense = sparse_as_dense
+        self.sparse_only = sparse_only
 
     def start(self, reduction: Reduction, name: str, params: Sequence[torch.Tensor]) -> Submitted:
         """Start the reduction of the gradients of ``params``."""
@@ -77,13 +79,14 @@ class TensorBridge:
 
     def store(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Store the averaged gradient in ``p.grad``, as ``p``'s dtype (in place when
-        layouts agree: one converting copy). A sparse gradient stays sparse (reduced as
-        dense with ``sparse_as_dense``, it is made sparse again, as in Horovod), for
-        optimizers that take sparse gradients only (``SparseAdam``)."""
+        layouts agree: one converting copy). A sparse gradient reduced as dense
+        (``sparse_as_dense``) is stored dense, for dense optimizers such as Adam, unless
+        the optimizer takes sparse gradients only: then it is made sparse again (as
+        Horovod does for every optimizer)."""
         g = param.grad
         if value is g:
             return
-        if g is not None and g.is_sparse and not value.is_sparse:
+        if self.sparse_only and g is not None and g.is_sparse and not value.is_sparse:
             value = value.to_sparse()
         if g is None or g.is_sparse or value.is_sparse:
             param.grad = value if value.dtype == param.dtype else value.to(param.dtype)
@@ -191,7 +194,8 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                              groups=None if self._bystander else groups)
         self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1 and not self._bystander
         self._bridge: TensorBridge | AdasumBridge = \
-            AdasumBridge(optimizer) if self._adasum else TensorBridge(sparse_as_dense)
+            AdasumBridge(optimizer) if self._adasum else \
+            TensorBridge(sparse_as_dense, isinstance(optimizer, torch.optim.SparseAdam))
         self._hooked: set[int] = set()
         self._build()
 
