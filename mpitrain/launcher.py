@@ -480,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                 env[REPORT] = clean_exits.address
             rc = supervisor.run(cmd, env)
             if clean_exits is not None and rc == 0 and clean_exits.take() == 0:
-                print("mpitrain-run: every rank failed (under --elastic the MPI reports "
-                      "success even then); exit code 1", file=sys.stderr, flush=True)
+                print("mpitrain-run: every rank failed: none reported a clean exit (under "
+                      "--elastic the MPI reports success even when every rank died); exit "
+                      "code 1", file=sys.stderr, flush=True)
                 rc = 1
             if supervisor.signum is not None:
                 name = signal.Signals(supervisor.signum).name

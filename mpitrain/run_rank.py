@@ -109,17 +109,20 @@ def verdict(status: int, marks: bytes) -> int | None:
 
 
 def report_clean_exit(environ: Mapping[str, str]) -> None:
-    """Tell the launcher at ``MPITRAIN_ELASTIC_REPORT`` (``host:port``) that this rank's
-    command exited 0, and wait for its acknowledgement; nothing if it is unset or cannot
-    be reached (the launcher then counts this rank as failed)."""
+    """Tell the launcher at ``MPITRAIN_ELASTIC_REPORT`` (``host:port``; this host's
+    loopback if ``host`` cannot be reached) that this rank's command exited 0, and wait
+    for its acknowledgement; nothing if it is unset or cannot be reached (the launcher
+    then counts this rank as failed)."""
     address = environ.get(REPORT, "")
     host, _, port = address.rpartition(":")
     if not (host and port.isdigit()):
         return
-    with contextlib.suppress(OSError), \
-            socket.create_connection((host, int(port)), timeout=REPORT_TIMEOUT_S) as sock:
-        sock.sendall(b"0")
-        sock.recv(1)
+    for name in (host, "127.0.0.1"):
+        with contextlib.suppress(OSError), \
+                socket.create_connection((name, int(port)), timeout=REPORT_TIMEOUT_S) as sock:
+            sock.sendall(b"0")
+            sock.recv(1)
+            return
 
 
 def supervise(command: list[str]) -> int:
