@@ -301,9 +301,10 @@ inspector): fixed when it is created. ``configure`` refuses to change them."""
 
 ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
     value for value in list(globals().values()) if isinstance(value, Setting))
-OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE"})
+OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE", "MPITRAIN_ELASTIC_REPORT"})
 """Variables that are not settings: set by ``mpitrain-run --max-restarts`` for the
-script, read by ``setup.py``."""
+script, read by ``setup.py``, set by ``mpitrain-run --elastic`` for
+:mod:`mpitrain.run_rank`."""
 
 
 HOROVOD_LOG_LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warning",

@@ -23,7 +23,9 @@
   ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (``MASTER_ADDR`` and
   ``MASTER_PORT`` are exported: the first host, a free port);
 * ``--elastic`` runs under ULFM (``--with-ft ulfm``) with ``MPITRAIN_ELASTIC=1``: a rank
-  that dies lets the others go on (:mod:`mpitrain.elastic`);
+  that dies lets the others go on (:mod:`mpitrain.elastic`). ``mpiexec`` then exits 0
+  even when every rank died, so each rank whose command exits 0 reports it to the
+  launcher (:class:`CleanExits`), and a job with no such rank exits 1;
 * ``--max-restarts K`` relaunches a failed job up to K times with ``MPITRAIN_RESTART``
   set to the attempt number. The script must resume from its last checkpoint when it
   starts (it cannot tell a first start from a restart otherwise), e.g.
@@ -57,6 +59,7 @@ from types import FrameType
 from typing import Any, Callable
 
 from . import __version__, config
+from .run_rank import REPORT
 
 YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
                "threads_pthreads_yield_strategy", "nanosleep"]
@@ -299,6 +302,46 @@ def kill_session(session: int) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+class CleanExits:
+    """Counts the ranks that report a clean exit (``--elastic``, see
+    :func:`mpitrain.run_rank.report_clean_exit`) on a socket of this host: the ranks
+    reach it as Open MPI's daemons reach ``mpiexec``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._sock = socket.create_server(("", 0), backlog=128)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` for the ranks (``MPITRAIN_ELASTIC_REPORT``)."""
+        return f"{socket.gethostname()}:{self._sock.getsockname()[1]}"
+
+    def take(self) -> int:
+        """The reports received since the last call."""
+        with self._lock:
+            count, self.count = self.count, 0
+        return count
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.settimeout(10.0)
+                if conn.recv(1) == b"0":
+                    with self._lock:
+                        self.count += 1
+                conn.sendall(b"1")
+
+    def close(self) -> None:
+        """Stop listening."""
+        self._sock.close()
+
+
 class Supervisor:
     """Runs ``mpiexec`` in a session of its own and passes SIGINT, SIGTERM and SIGHUP on.
 
@@ -450,17 +493,27 @@ def main(argv: list[str] | None = None) -> int:
     mpiexec = find_mpiexec()
     if args.max_restarts:
         job.exports.append("MPITRAIN_RESTART")
+    if job.elastic:
+        job.exports.append(REPORT)
     cmd = build_command(job, mpiexec, flavor(mpiexec))
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
     if args.verbose:
         print(f"mpitrain-run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    clean_exits = CleanExits() if job.elastic else None
     with Supervisor() as supervisor:
         attempt = 0
         while True:
             env = dict(os.environ, MPITRAIN_RESTART=str(attempt))
+            if clean_exits is not None:
+                env[REPORT] = clean_exits.address
             rc = supervisor.run(cmd, env)
+            if clean_exits is not None and rc == 0 and clean_exits.take() == 0:
+                print("mpitrain-run: every rank failed: none reported a clean exit (under "
+                      "--elastic the MPI reports success even when every rank died); exit "
+                      "code 1", file=sys.stderr, flush=True)
+                rc = 1
             if supervisor.signum is not None:
                 name = signal.Signals(supervisor.signum).name
                 print(f"mpitrain-run: {name} received: the job was stopped"

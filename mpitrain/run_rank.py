@@ -21,7 +21,9 @@ When the child ends, the supervisor
 * kills itself with SIGKILL if the child died by a signal, or if it had initialised
   mpitrain and exited (``os._exit()``, ``sys.exit()``, a return from the script) before
   every rank reached its exit: the other ranks see a rank failure and recover;
-* otherwise exits with the child's status.
+* otherwise exits with the child's status, and when that is 0 reports the clean exit
+  to the launcher (``MPITRAIN_ELASTIC_REPORT``, its ``host:port``): under ULFM
+  ``mpiexec`` exits 0 even when every rank died, so the launcher counts these reports.
 
 Signals sent to the supervisor (SIGTERM, SIGINT, ...) are passed on to the child.
 """
@@ -32,6 +34,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import sys
 from types import FrameType
 from typing import Mapping
@@ -68,6 +71,8 @@ INITIALISED, CLEAN_EXIT = b"I", b"C"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
 PR_SET_PDEATHSIG = 1
+REPORT = "MPITRAIN_ELASTIC_REPORT"
+REPORT_TIMEOUT_S = 10.0
 
 
 def elastic(environ: Mapping[str, str]) -> bool:
@@ -103,6 +108,23 @@ def verdict(status: int, marks: bytes) -> int | None:
     return os.waitstatus_to_exitcode(status)
 
 
+def report_clean_exit(environ: Mapping[str, str]) -> None:
+    """Tell the launcher at ``MPITRAIN_ELASTIC_REPORT`` (``host:port``; this host's
+    loopback if ``host`` cannot be reached) that this rank's command exited 0, and wait
+    for its acknowledgement; nothing if it is unset or cannot be reached (the launcher
+    then counts this rank as failed)."""
+    address = environ.get(REPORT, "")
+    host, _, port = address.rpartition(":")
+    if not (host and port.isdigit()):
+        return
+    for name in (host, "127.0.0.1"):
+        with contextlib.suppress(OSError), \
+                socket.create_connection((name, int(port)), timeout=REPORT_TIMEOUT_S) as sock:
+            sock.sendall(b"0")
+            sock.recv(1)
+            return
+
+
 def supervise(command: list[str]) -> int:
     """Run ``command`` in a child process and stand for it as the rank (see above)."""
     parent = os.getpid()
@@ -130,6 +152,8 @@ def supervise(command: list[str]) -> int:
         while chunk := os.read(marks_in, 4096):
             marks += chunk
     code = verdict(status, marks)
+    if code == 0:
+        report_clean_exit(os.environ)
     if code is not None:
         return code
     rank = os.environ.get("RANK", "?")

@@ -48,23 +48,25 @@ log = logging.getLogger("mpitrain")
 T = TypeVar("T")
 
 
-def recover(state: State) -> None:
+def recover(state: State, synced: bool = True) -> None:
     """After a rank failure: rebuild the default communicator and agree on ``state``.
 
-    Collective over the survivors. Raises if another failure interrupts the agreement
-    (call it again: :func:`run` does).
+    Collective over the survivors. ``synced``: whether this rank has finished
+    :func:`run`'s first sync from rank 0; a survivor that has not takes the state of one
+    that has (or, when none has, of the new rank 0). Raises if another failure
+    interrupts the agreement (call it again: :func:`run` does).
     """
     old = session.default_communicator()
     comm = rebuild(old)
     session.replace_default(comm)
-    commits = comm.allgather_object(state.commits)
-    newest = max(commits)
-    if min(commits) == newest:
+    held = comm.allgather_object((state.commits, synced))
+    newest = max(held)
+    if min(held) == newest and synced:
         state.restore()
     else:
-        state.sync(root=commits.index(newest))
+        state.sync(root=held.index(newest))
     log.warning("mpitrain elastic: rank %d of %d (was %d of %d) resumes from commit %d",
-                comm.rank, comm.size, old.rank, old.size, newest)
+                comm.rank, comm.size, old.rank, old.size, newest[0])
     state.on_reset()
 
 
@@ -88,9 +90,12 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         comm = session.init()
         if not (comm.rank == 0 and state.load_checkpoint()):
             state.adopt(state.capture(), state.commits)
-        state.sync(root=0)
+        synced = False
         while True:
             try:
+                if not synced:  # in the loop: a rank lost during this sync is recovered from
+                    state.sync(root=0)
+                    synced = True
                 return func(state, *args, **kwargs)
             except SystemExit as exc:  # sys.exit() inside training: this rank leaves
                 leave(exc)
@@ -101,7 +106,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                             session.rank(), exc)
             while True:
                 try:
-                    recover(state)
+                    recover(state, synced)
+                    synced = True
                     break
                 except Exception as exc:
                     if rank_failure(exc) is None:

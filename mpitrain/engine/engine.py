@@ -665,6 +665,8 @@ class Engine:
         for name in agreement.ready:
             request = pending.pop(name, None)
             blueprint = blueprints.get(name)
+            if request is None and self.rank in missing.get(name, ()):
+                self._pass_generated(name)
             if request is not None:
                 ready.append(request)
                 if name in mismatched:
@@ -694,6 +696,19 @@ class Engine:
                     blueprint[0] == "broadcast" and blueprint[5] in missing[name]):
                 runnable.append(self._stand_in(name, blueprint))
         return ready, runnable
+
+    def _pass_generated(self, name: str) -> None:
+        """This rank, in ``join()``, never submitted ``name`` (it stands in for it, or sees
+        it fail): if it is a generated name (``<kind>.noname.<n>``), this rank's counter
+        of that kind moves past ``n`` as the submitters' did, so that the ranks' next
+        unnamed operations have the same names again. (The caller's thread submits
+        nothing while this rank is in ``join()``.)"""
+        kind, sep, serial = name.partition(NONAME)
+        if not (sep and serial.isdigit()):
+            return
+        with self._lock:
+            mine = next(self._counters[kind])
+            self._counters[kind] = count(max(mine, int(serial) + 1))
 
     def _stand_in(self, name: str, blueprint: Blueprint) -> Request:
         """The request with which this rank, in ``join()``, takes part in the operation

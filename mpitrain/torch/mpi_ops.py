@@ -545,12 +545,24 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
 
 # -- sparse allreduce -------------------------------------------------------------------
+class SparseHandle(int):
+    """The handle of :func:`sparse_allreduce_async`: an integer handle like the others
+    (:func:`poll`, :func:`synchronize`), and callable, as Horovod's: ``handle()`` is
+    ``synchronize(handle)``."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return synchronize(self)
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
                            op: Any = Average,
                            process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a sparse COO tensor: every rank's indices and values are
-    allgathered (:mod:`.sparse`); returns a handle whose :func:`synchronize` gives the
-    coalesced sparse sum, its values divided by the rank count for ``op=Average``.
+    allgathered (:mod:`.sparse`); returns a :class:`SparseHandle` whose
+    :func:`synchronize` (or call, as in Horovod) gives the coalesced sparse sum, its
+    values divided by the rank count for ``op=Average``.
 
     The shape must be the same on every rank; the non-zeros may differ. Only ``Sum``
     and ``Average`` are supported (an ``ArgumentError`` at once otherwise).
@@ -559,7 +571,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     with _refusing(comm, "allgather", *sparse_part_names(name)):
         prepared = prepare_sparse_allreduce(tensor, op, comm.rank)
     handles, finish = start_sparse_allreduce(comm, prepared, name)
-    return _register(handles, finish)
+    return SparseHandle(_register(handles, finish))
 
 
 # -- allgather, broadcast, reducescatter ----------------------------------------------
@@ -574,7 +586,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 
 class _Allgather(torch.autograd.Function):
-    """Allgather; the gradient of a rank's rows is the sum over ranks of theirs."""
+    """Allgather; the gradient of a rank's rows is the average over ranks of theirs
+    (Horovod's definition: each rank's loss counts as a share of one mean loss)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
@@ -584,12 +597,12 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0,
-                                              ctx.process_set))
+        averaged = synchronize(_allreduce_async(grad.contiguous(), None, None, Average, 1.0,
+                                                1.0, ctx.process_set))
         mine = ctx.shape[0] if len(ctx.shape) else 1
         comm = _comm(ctx.process_set)
         offset = sum(comm.allgather_object(mine)[:comm.rank])
-        return summed.narrow(0, offset, mine).reshape(ctx.shape), None, None
+        return averaged.narrow(0, offset, mine).reshape(ctx.shape), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -597,8 +610,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ by rank), in
     rank order (of the ranks of ``process_set``).
 
-    Differentiable: the gradient of this rank's rows is the sum of every rank's
-    gradient for them.
+    Differentiable, as in Horovod: the gradient of this rank's rows is the average of
+    every rank's gradient for them.
     """
     return _Allgather.apply(tensor, name, process_set)
 
@@ -629,7 +642,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start a broadcast of the root's ``tensor`` into a new tensor; returns a handle.
 
     ``root_rank`` is a global rank (``hvd.rank()`` numbering), also with a
-    ``process_set``, of which it must be a member.
+    ``process_set``, of which it must be a member. Differentiable, as in Horovod: the
+    root's gradient is the average of every rank's, the others' zero.
     """
     return _broadcast_async(tensor, root_rank, name, False, process_set)
 
@@ -657,9 +671,9 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(_allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0,
-                                              ctx.process_set))
-        mine = summed if rank() == ctx.root else torch.zeros_like(summed)
+        averaged = synchronize(_allreduce_async(grad.contiguous(), None, None, Average, 1.0,
+                                                1.0, ctx.process_set))
+        mine = averaged if rank() == ctx.root else torch.zeros_like(averaged)
         return mine, None, None, None
 
 
@@ -668,13 +682,17 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return the root's ``tensor`` on every rank, as a new tensor (differentiable).
 
     ``root_rank`` is a global rank (``hvd.rank()`` numbering), also with a
-    ``process_set``, of which it must be a member.
+    ``process_set``, of which it must be a member. Differentiable, as in Horovod: the
+    root's gradient is the average of every rank's, the others' zero.
     """
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def _scale_of(op: ReduceOp, prescale: float, postscale: float, ranks: int) -> float:
-    return prescale * postscale / (ranks if op is Average else 1)
+def _gradient_scale(op: ReduceOp, prescale: float, postscale: float, ranks: int) -> float:
+    """The factor of a reduce-scatter's gradient, as Horovod defines it: the gathered
+    gradient times the scaling factors, and times the rank count for ``Sum`` (each rank's
+    loss counts as a share of one mean loss, as for :func:`allgather`)."""
+    return prescale * postscale * (ranks if op is Sum else 1)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -713,7 +731,8 @@ def _submit_reducescatter(comm: Communicator, source: tuple[Any, Any], how: _Sca
 
 
 class _Reducescatter(torch.autograd.Function):
-    """Reduce-scatter; the gradient is the allgather of the blocks' gradients, scaled."""
+    """Reduce-scatter; the gradient is the allgather of the blocks' gradients, scaled
+    (:func:`_gradient_scale`)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
@@ -727,7 +746,7 @@ class _Reducescatter(torch.autograd.Function):
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "reducescatter")
         gathered = synchronize(allgather_async(grad.contiguous(), None, process_set))
-        scale = _scale_of(op, prescale, postscale, _comm(process_set).size)
+        scale = _gradient_scale(op, prescale, postscale, _comm(process_set).size)
         return gathered * scale, None, None, None, None, None
 
 
@@ -739,7 +758,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
     With ``d`` rows, the first ``d % size`` ranks get ``d // size + 1`` rows, the others
     ``d // size`` (Horovod's split; ``size`` and the order are those of
-    ``process_set``'s ranks). ``op`` defaults to Average, as in Horovod.
+    ``process_set``'s ranks). ``op`` defaults to Average, as in Horovod. The gradient
+    is Horovod's: the allgather of the blocks' gradients times the scaling factors, and
+    times the rank count for ``Sum``.
     """
     with _refusing(_comm(process_set), "reduce_scatter", name):
         compressed, ctx = compression.compress(tensor)

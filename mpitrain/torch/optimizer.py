@@ -42,10 +42,12 @@ from .tensors import as_buffer, host_copy, producer_stream, to_device_of
 class TensorBridge:
     """Gradients are ``p.grad`` tensors: dense ones are allreduced (sparse ones densified
     first with ``sparse_as_dense``), sparse ones allgathered as in Horovod
-    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`)."""
+    (:func:`~mpitrain.torch.sparse.start_sparse_allreduce`). ``sparse_only``: the
+    optimizer takes sparse gradients only (``SparseAdam``)."""
 
-    def __init__(self, sparse_as_dense: bool) -> None:
+    def __init__(self, sparse_as_dense: bool, sparse_only: bool = False) -> None:
         self.sparse_as_dense = sparse_as_dense
+        self.sparse_only = sparse_only
 
     def start(self, reduction: Reduction, name: str, params: Sequence[torch.Tensor]) -> Submitted:
         """Start the reduction of the gradients of ``params``."""
@@ -77,10 +79,15 @@ class TensorBridge:
 
     def store(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Store the averaged gradient in ``p.grad``, as ``p``'s dtype (in place when
-        layouts agree: one converting copy)."""
+        layouts agree: one converting copy). A sparse gradient reduced as dense
+        (``sparse_as_dense``) is stored dense, for dense optimizers such as Adam, unless
+        the optimizer takes sparse gradients only: then it is made sparse again (as
+        Horovod does for every optimizer)."""
         g = param.grad
         if value is g:
             return
+        if self.sparse_only and g is not None and g.is_sparse and not value.is_sparse:
+            value = value.to_sparse()
         if g is None or g.is_sparse or value.is_sparse:
             param.grad = value if value.dtype == param.dtype else value.to(param.dtype)
         else:
@@ -157,8 +164,9 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         groups: ``None``, a group count, or lists of parameters allreduced together.
         sparse_as_dense: allreduce sparse gradients as dense tensors (else they are
             allgathered, as in Horovod).
-        process_set: the ranks that average together (default: every rank); build
-            the optimizer only on its members (elsewhere it raises).
+        process_set: the ranks that average together (default: every rank). On a rank
+            outside the set, as in Horovod, the optimizer is the wrapped one: nothing is
+            reduced there and ``step()`` steps on the local gradients.
     """
 
     def __init__(self, optimizer: Any, named_parameters: Iterable[Any] | None = None,
@@ -178,14 +186,16 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         else:
             self._named = None
         self._names()
-        comm = communicator(process_set)
+        self._bystander = isinstance(process_set, ProcessSet) and process_set.included() is False
+        comm = communicator(global_process_set if self._bystander else process_set)
         self._options = dict(compression=compression,
                              backward_passes_per_step=backward_passes_per_step, op=op,
                              gradient_predivide_factor=gradient_predivide_factor,
-                             groups=groups)
-        self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1
+                             groups=None if self._bystander else groups)
+        self._adasum = parse_op(op) is ReduceOp.ADASUM and comm.size > 1 and not self._bystander
         self._bridge: TensorBridge | AdasumBridge = \
-            AdasumBridge(optimizer) if self._adasum else TensorBridge(sparse_as_dense)
+            AdasumBridge(optimizer) if self._adasum else \
+            TensorBridge(sparse_as_dense, isinstance(optimizer, torch.optim.SparseAdam))
         self._hooked: set[int] = set()
         self._build()
 
@@ -222,12 +232,22 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
                                 "the whole model")
         return names
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each optimized parameter's allreduce name (Horovod's attribute)."""
+        names = self._names()
+        return {p: names[id(p)] for group in self.optimizer.param_groups
+                for p in group["params"]}
+
     def _build(self) -> None:
-        """(Re)build the reducer over the optimizer's parameters and hook new ones."""
+        """(Re)build the reducer over the optimizer's parameters and hook new ones (none
+        on a rank outside the process set: its reducer has nothing to reduce)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         names = self._names()
-        updated = [(names[id(p)], p) for p in params if p.requires_grad]
-        comm = communicator(self._process_set)  # the global set's changes in a reset
+        updated = [] if self._bystander else [(names[id(p)], p) for p in params
+                                              if p.requires_grad]
+        # the global set's communicator changes in a reset
+        comm = communicator(global_process_set if self._bystander else self._process_set)
         host = all(p.device.type == "cpu" for _, p in updated)
         threads = torch.get_num_threads()
         self.reducer = GradientReducer(updated, self._bridge, comm=comm, host=host,

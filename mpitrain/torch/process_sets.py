@@ -291,6 +291,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         comm = Communicator(split) if member else None  # type: ignore[arg-type]
         if comm is not None:
             comm.join_serves = JOIN_SERVES
+            comm.engine()  # started here, as the global set's (see initialize)
     finally:
         if split != MPI.COMM_NULL:
             split.Free()
@@ -369,6 +370,10 @@ def initialize(comm: Sequence[int] | MPI.Intracomm | None) -> None:
         finally:
             sub.Free()
     global_process_set.ranks = list(range(session.size()))
+    # The async engine starts here, as Horovod's background thread starts in hvd.init:
+    # started on a rank's first async call instead, its start (collective) would meet
+    # whatever another rank calls meanwhile, e.g. a barrier, and fail as a mismatch.
+    session.default_communicator().engine()
 
 
 def outside() -> bool:

@@ -72,6 +72,34 @@ def test_survivors_of_kill_9_finish_with_correct_gradients(tmp_path: Path) -> No
     assert "resumes from commit" in result.out
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_lost_during_the_first_sync(tmp_path: Path, victim: int) -> None:
+    """A rank that dies while the others are in the elastic run's first sync from rank 0
+    (rank 0 itself, the root of that sync, or another): the survivors recover, take the
+    state of a survivor and finish with the right result."""
+    result = finish(start(launcher(["-np", "3", "--elastic", str(JOBS / "train.py"),
+                                    str(tmp_path), "--die-before-sync", str(victim)])),
+                    TIMEOUT_S)
+    assert result.rc == 0, result.out
+    assert not (tmp_path / f"rank{victim}.json").exists()
+    _, final = reference(np.zeros(job.DIM), 0)
+    for rank in {0, 1, 2} - {victim}:
+        log = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert log["size"] == 2, log
+        assert all(r["size"] == 2 for r in log["resumed"]), log["resumed"]
+        np.testing.assert_allclose(log["final"], final, rtol=1e-12)
+
+
+def test_a_job_whose_every_rank_failed_exits_non_zero(tmp_path: Path) -> None:
+    """Under ULFM ``mpiexec`` exits 0 even when every rank died by a signal (here each one
+    raising, which kills it under --elastic); the launcher reports the failure."""
+    script = tmp_path / "fail.py"
+    script.write_text("import mpitrain as mt\nmt.init()\nraise RuntimeError('on purpose')\n")
+    result = finish(start(launcher(["-np", "2", "--elastic", str(script)])), TIMEOUT_S)
+    assert result.rc == 1, result.out
+    assert "every rank failed" in result.out
+
+
 @pytest.mark.parametrize("code", [0, 3])
 def test_sys_exit_inside_the_run_is_a_rank_failure(tmp_path: Path, code: int) -> None:
     """Under --elastic a rank that calls sys.exit() mid-training (any status) is lost

@@ -308,3 +308,40 @@ def test_join_serves_limits_what_joined_ranks_take_part_in(comm: mt.Communicator
         comm.join_serves = default
     assert_all_ranks(comm, outcome in ("joined", "error"), outcome)
     assert default == {"allreduce", "reduce_scatter", "allgather", "broadcast"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unnamed_operations_stay_matched_after_joins(comm: mt.Communicator) -> None:
+    """Rank 0, then each rank in turn, joins first while the others submit unnamed
+    operations: an allgather (refused: join_serves is allreduce only, as under
+    mpitrain.torch) and an allreduce (the joined rank stands in). The joined rank's
+    counters move past those names with the submitters', so every later unnamed
+    operation still matches across ranks (a stale counter left the submitters of a
+    later round, or of the last allgather, with different names, waiting for each
+    other until the test's timeout)."""
+    default = comm.join_serves
+    comm.join_serves = {"allreduce"}
+    outcomes = []
+    try:
+        for first in [0, *range(comm.size)]:
+            if comm.rank == first:
+                last = comm.join()
+            else:
+                try:
+                    comm.allgather_async(np.ones((1, 2))).wait()
+                    outcomes.append(f"round {first}: the allgather ran")
+                except mt.CommunicationError:
+                    pass
+                summed = comm.allreduce_async(np.ones(3), op=mt.Sum).wait()
+                wrong = mismatch(summed, np.full(3, comm.size - 1.0))
+                if wrong:
+                    outcomes.append(f"round {first}: the allreduce {wrong}")
+                last = comm.join()
+            if last == first:
+                outcomes.append(f"round {first}: join() returned the first rank to join")
+        rows = comm.allgather_async(np.full((1, 2), float(comm.rank))).wait()
+        if mismatch(rows, np.repeat(np.arange(comm.size, dtype=np.float64), 2).reshape(-1, 2)):
+            outcomes.append("the allgather after the joins")
+    finally:
+        comm.join_serves = default
+    assert_all_ranks(comm, not outcomes, "; ".join(outcomes))

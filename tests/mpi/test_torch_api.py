@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -257,12 +260,19 @@ def test_autograd() -> None:
     (gathered * weights).sum().backward()
     start = r * (r + 1) // 2
     rows = torch.arange(start, start + r + 1, dtype=torch.float64).unsqueeze(1)
-    check(torch.allclose(g.grad, (rows * n * (n + 1) / 2).expand(r + 1, 2)), "allgather backward")
+    # Horovod's gradients: allgather and broadcast average the ranks' gradients
+    check(torch.allclose(g.grad, (rows * (n + 1) / 2).expand(r + 1, 2)), "allgather backward")
+    g2 = [torch.ones(r + 1, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gathered2 = hvd.grouped_allgather(g2)
+    (gathered2[0].sum() * (r + 1) + gathered2[1].sum() * 2).backward()
+    check(torch.allclose(g2[0].grad, torch.full((r + 1,), (n + 1) / 2, dtype=torch.float64))
+          and torch.allclose(g2[1].grad, torch.full((r + 1,), 2.0, dtype=torch.float64)),
+          "grouped_allgather backward")
 
     root = n - 1
     c = rank_tensor(3).requires_grad_()
     (hvd.broadcast(c, root) * (r + 1)).sum().backward()
-    want_c = torch.full((3,), n * (n + 1) / 2) if r == root else torch.zeros(3)
+    want_c = torch.full((3,), (n + 1) / 2) if r == root else torch.zeros(3)
     check(torch.allclose(c.grad, want_c.double()), "broadcast backward")
 
     t = torch.ones(n, 1, dtype=torch.float64, requires_grad=True)
@@ -270,10 +280,20 @@ def test_autograd() -> None:
     check(torch.allclose(t.grad.reshape(-1), torch.arange(1, n + 1, dtype=torch.float64)),
           "alltoall backward")
 
+    # reducescatter: the gathered gradient, times the scaling factors, times n for Sum
+    per_row = torch.arange(1, n + 1, dtype=torch.float64).unsqueeze(1).expand(n, 2)
     s = torch.ones(n, 2, dtype=torch.float64, requires_grad=True)
     (hvd.reducescatter(s, op=hvd.Sum) * (r + 1)).sum().backward()
-    check(torch.allclose(s.grad, torch.arange(1, n + 1, dtype=torch.float64)
-                         .unsqueeze(1).expand(n, 2)), "reducescatter backward")
+    check(torch.allclose(s.grad, per_row * n), "reducescatter Sum backward")
+    s.grad = None
+    (hvd.reducescatter(s, prescale_factor=3.0, postscale_factor=0.5) * (r + 1)).sum().backward()
+    check(torch.allclose(s.grad, per_row * 1.5), "reducescatter Average backward")
+    s2 = [torch.ones(n, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    blocks = hvd.grouped_reducescatter(s2, op=hvd.Sum)
+    (blocks[0].sum() * (r + 1) + blocks[1].sum()).backward()
+    check(torch.allclose(s2[0].grad, per_row * n)
+          and torch.allclose(s2[1].grad, torch.full((n, 2), float(n), dtype=torch.float64)),
+          "grouped_reducescatter backward")
     m = rank_tensor(3).requires_grad_()
     with pytest.raises(ValueError, match="gradient of allreduce"):
         hvd.allreduce(m, op=hvd.Max).sum().backward()
@@ -306,6 +326,28 @@ def test_barrier_join_objects() -> None:
     assert hvd.allgather_object(hvd.rank() ** 2) == [r * r for r in range(hvd.size())]
     with pytest.raises(ValueError, match="root=99"):
         hvd.broadcast_object(1, root_rank=99)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier_returns_on_no_rank_before_the_last_has_entered() -> None:
+    """Each rank in turn enters late, right after creating a file; every rank finds that
+    file once its barrier returns. The late rank first completes an allreduce with the
+    others, as Horovod's test_global_barrier_op does, so they are in the barrier already
+    (the sleep only makes an early return likely; the check is the file, not a clock)."""
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    try:
+        for late in range(hvd.size()):
+            marker = os.path.join(folder, f"entered{late}")
+            hvd.allreduce_(torch.ones(1), None, f"before_barrier{late}", hvd.Sum)
+            if hvd.rank() == late:
+                time.sleep(0.2)
+                open(marker, "w").close()
+            hvd.barrier()
+            check(os.path.exists(marker), f"barrier returned before rank {late} entered it")
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(folder)
 
 
 def roots_model(root: int) -> tuple[Any, Any]:

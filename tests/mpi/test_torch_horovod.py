@@ -112,8 +112,8 @@ def test_grouped_allgather_and_reducescatter() -> None:
           "grouped_allgather_async")
     leaf = torch.full((r + 1, 2), float(r), requires_grad=True)
     out = hvd.grouped_allgather([leaf])[0]
-    out.sum().backward()
-    check(torch.equal(leaf.grad, torch.full((r + 1, 2), float(n))), "grouped_allgather grad")
+    out.sum().backward()  # Horovod's gradient: every rank's gradient (ones), averaged
+    check(torch.equal(leaf.grad, torch.ones(r + 1, 2)), "grouped_allgather grad")
     blocks = hvd.grouped_reducescatter([torch.ones(n, 3) * (r + 1), torch.ones(2 * n)],
                                        op=hvd.Sum)
     total = n * (n + 1) / 2
@@ -321,3 +321,13 @@ def test_only_allreduces_run_while_a_rank_is_joined() -> None:
     after = hvd.allgather(torch.full((1, 2), float(me)), name="after.join")
     check(torch.equal(after, torch.arange(n, dtype=torch.float32).repeat_interleave(2)
                       .reshape(n, 2)), f"allgather after join: {after}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.float32])
+def test_reducescatter_refuses_adasum_for_every_dtype(dtype: Any) -> None:
+    """As Horovod: Adasum is an allreduce only; reducescatter with it raises a
+    RuntimeError on every rank, integers included (not a dtype complaint)."""
+    with pytest.raises(RuntimeError, match="Adasum is an allreduce only"):
+        hvd.reducescatter(torch.ones(4 * hvd.size(), dtype=dtype), op=hvd.Adasum)
+    hvd.barrier()

@@ -322,23 +322,71 @@ def test_reduced_gradients_are_stored_through_the_compressor(compression: Any) -
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients(sparse_as_dense: bool) -> None:
+@pytest.mark.parametrize("kind", ["SGD", "SparseAdam"])
+def test_sparse_gradients(sparse_as_dense: bool, kind: str) -> None:
+    """Sparse gradients are averaged (allgathered, or allreduced as dense); SparseAdam,
+    which takes nothing else, gets them sparse also with sparse_as_dense (SGD then gets
+    them dense, which dense optimizers such as Adam need)."""
+    def optimizer(params: Any) -> Any:
+        return (torch.optim.SGD(params, lr=1.0) if kind == "SGD"
+                else torch.optim.SparseAdam(list(params), lr=0.1))
+
     torch.manual_seed(3)
     emb = torch.nn.Embedding(10, 4, sparse=True).double()
     ref = copy.deepcopy(emb)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+    opt = hvd.DistributedOptimizer(optimizer(emb.parameters()),
                                    named_parameters=emb.named_parameters(),
                                    sparse_as_dense=sparse_as_dense)
     rows = torch.tensor([hvd.rank() % 10, (3 * hvd.rank() + 1) % 10, 7])
     emb(rows).sum().backward()
     opt.step()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    assert emb.weight.grad.is_sparse == (kind == "SparseAdam" or not sparse_as_dense)
+    ref_opt = optimizer(ref.parameters())
     for r in range(hvd.size()):
         (ref(torch.tensor([r % 10, (3 * r + 1) % 10, 7])).sum() / hvd.size()).backward()
     ref_opt.step()
     assert_close_all_ranks([emb.weight.detach()], [ref.weight.detach()], 1e-12,
-                           f"sparse_as_dense={sparse_as_dense}")
-    assert emb.weight.grad.is_sparse != sparse_as_dense
+                           f"{kind}, sparse_as_dense={sparse_as_dense}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("named", [True, False])
+def test_parameter_names(named: bool) -> None:
+    """Horovod's ``_parameter_names``: each optimized parameter's allreduce name, unique
+    and the same on every rank (``allreduce.noname.<group>.<index>`` without names)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    inner = torch.optim.SGD([{"params": model[0].parameters()},
+                             {"params": model[1].parameters()}], lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters()
+                                   if named else None)
+    names = opt._parameter_names
+    params = list(model.parameters())
+    assert list(names) == params and len(set(names.values())) == len(params)
+    want = (["0.weight", "0.bias", "1.weight", "1.bias"] if named else
+            ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+             "allreduce.noname.1.1"])
+    assert [names[p] for p in params] == want
+    assert all(n == want for n in hvd.allgather_object([names[p] for p in params]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_outside_the_process_set_step_alone() -> None:
+    """An optimizer on a set that leaves this rank out is the wrapped optimizer there, as
+    in Horovod: the members average their gradients, every other rank steps on its own."""
+    n, me = hvd.size(), hvd.rank()
+    members = list(range(0, n, 2))
+    ps = hvd.add_process_set(members)
+    try:
+        w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0),
+                                       named_parameters=[("w", w)], process_set=ps)
+        (w * (me + 1)).sum().backward()  # this rank's gradient: me + 1
+        opt.step()
+        mean = sum(r + 1 for r in members) / len(members)
+        want = -(mean if me in members else me + 1)
+        assert torch.equal(w.detach(), torch.full((3,), want, dtype=torch.float64))
+    finally:
+        hvd.remove_process_set(ps)
 
 
 @pytest.mark.mpi(min_size=2)

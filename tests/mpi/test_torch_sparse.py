@@ -34,6 +34,15 @@ def rank_sparse(r: int, dense_dims: tuple[int, ...], dtype: Any) -> Any:
     return torch.sparse_coo_tensor(indices, values, (10, *dense_dims), check_invariants=True)
 
 
+def test_sparse_handles_are_callable_as_in_horovod() -> None:
+    """Horovod's sparse handle is a function: ``handle()`` waits and returns the result."""
+    handles = [hvd.sparse_allreduce_async(rank_sparse(hvd.rank(), (3,), torch.float64) * (i + 1),
+                                          name=f"callable.{i}", op=hvd.Sum) for i in range(3)]
+    dense = sum(rank_sparse(r, (3,), torch.float64).to_dense() for r in range(hvd.size()))
+    for i, handle in reversed(list(enumerate(handles))):
+        assert torch.allclose(handle().to_dense(), dense * (i + 1))
+
+
 @pytest.mark.parametrize("dense_dims", [(), (3,), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
 @pytest.mark.parametrize("op", ["Sum", "Average"])
@@ -44,7 +53,7 @@ def test_sparse_allreduce_equals_the_dense_allreduce(dense_dims: tuple[int, ...]
     name = f"sparse.{dense_dims}.{dtype}.{op}" if named else None
     handle = hvd.sparse_allreduce_async(mine, name=name, op=getattr(hvd, op))
     result = hvd.synchronize(handle)
-    assert hvd.poll(handle) and hvd.synchronize(handle) is result
+    assert hvd.poll(handle) and hvd.synchronize(handle) is result and handle() is result
     dense = sum(rank_sparse(r, dense_dims, torch.float64).to_dense()
                 for r in range(hvd.size()))
     if op == "Average":

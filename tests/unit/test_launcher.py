@@ -114,6 +114,7 @@ def test_exports_elastic_and_extra_arguments(openmpi: str, clean_env: pytest.Mon
                               "python", "train.py"], openmpi, clean_env, capsys))
     assert flags[flags.index("--with-ft") + 1] == "ulfm"
     assert exported(flags) == ["HOME", "OMP_NUM_THREADS=2", "MPITRAIN_RESTART",
+                               "MPITRAIN_ELASTIC_REPORT",
                                "MPITRAIN_STALL_WARNING_S", "PYTHONPATH", "MPITRAIN_ELASTIC=1",
                                "MASTER_ADDR=a", f"MASTER_PORT={PORT}"]
     assert flags[-5:] == ["--mca", "btl", "self,tcp", "--tag-output", "-v"]

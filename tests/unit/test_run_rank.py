@@ -44,3 +44,21 @@ def test_rank_wrapper_sets_the_variables_and_runs_the_command_in_its_process() -
     assert "mpitrain-run: rank 3 cannot run 'no-such-command-here'" in done.stderr
     done = subprocess.run(WRAPPER, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "usage" in done.stderr
+
+
+def test_clean_exits_are_reported_to_the_launcher() -> None:
+    """What ``mpitrain-run --elastic`` counts: each report is acknowledged before the rank
+    exits; a host name that does not resolve falls back to this host's loopback; no
+    address, no report."""
+    from mpitrain.launcher import CleanExits
+
+    exits = CleanExits()
+    try:
+        port = exits.address.rpartition(":")[2]
+        run_rank.report_clean_exit({run_rank.REPORT: exits.address})
+        run_rank.report_clean_exit({run_rank.REPORT: f"no-such-host.invalid:{port}"})
+        run_rank.report_clean_exit({})
+        assert exits.take() == 2
+        assert exits.take() == 0
+    finally:
+        exits.close()

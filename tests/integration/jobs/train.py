@@ -1,13 +1,15 @@
 """Least-squares training under mpitrain.elastic, with a rank that fails on request.
 
-Usage: train.py OUT_DIR [--victim RANK STEP] [--raise-at RANK STEP]
+Usage: train.py OUT_DIR [--victim RANK STEP] [--die-before-sync RANK] [--raise-at RANK STEP]
                        [--exit-at RANK STEP CODE] [--os-exit-at RANK STEP CODE]
                        [--return-at RANK STEP] [--checkpoint DIR] [--async]
 
 Every step reduces the gradient of a fixed global batch of ``BATCH`` samples, split
 over however many ranks there are, so the trajectory does not depend on the rank
 count. ``--victim``: that rank writes ``OUT_DIR/victim.pid`` when it reaches STEP and
-waits there to be killed (the test sends SIGKILL). ``--raise-at``: that rank raises at
+waits there to be killed (the test sends SIGKILL); ``--die-before-sync``: that rank kills
+itself with SIGKILL after ``mt.init()``, while the others are in the elastic run's first
+sync from rank 0. ``--raise-at``: that rank raises at
 STEP in the first attempt of the job (``MPITRAIN_RESTART`` unset or 0); ``--exit-at``:
 that rank calls ``sys.exit(CODE)`` there instead, ``--os-exit-at`` ``os._exit(CODE)``,
 and ``--return-at`` leaves the training function and the script there (both after
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -52,6 +55,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--victim", type=int, nargs=2, default=(-1, -1))
+    p.add_argument("--die-before-sync", type=int, default=-1)
     p.add_argument("--raise-at", type=int, nargs=2, default=(-1, -1))
     p.add_argument("--exit-at", type=int, nargs=3, default=(-1, -1, 0))
     p.add_argument("--os-exit-at", type=int, nargs=3, default=(-1, -1, 0))
@@ -98,13 +102,16 @@ def main() -> None:
             else:
                 g = comm.allreduce(local, op=mt.Sum) / BATCH
             log["steps"].append({"step": state.step, "size": comm.size, "grad": g.tolist()})
-            if log["resumed"] and log["steps"][-2]["size"] != comm.size:
+            if log["resumed"] and len(log["steps"]) > 1 \
+                    and log["steps"][-2]["size"] != comm.size:
                 with open(os.path.join(args.out, f"recovered{first_rank}"), "a") as f:
                     f.write(f"{time.time()!r}\n")
             state.params -= LR * g
             state.step += 1
             state.commit()
 
+    if first_rank == args.die_before_sync:
+        os.kill(os.getpid(), signal.SIGKILL)
     train(state)
     if log["returned"]:
         return  # this rank leaves while the others train on
