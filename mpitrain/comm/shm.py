@@ -67,12 +67,6 @@ SPIN_POLLS = 256
 make in compiled code before a wait goes on in :meth:`SharedMemory._poll` (about 6 us
 on the 2-core host, holding the GIL)."""
 
-NAP_AFTER_S = 200e-6
-"""How long a barrier wait yields before it starts to sleep, where it may sleep
-(:attr:`SharedMemory.patient`)."""
-MAX_NAP_S = 0.0005
-"""Longest sleep between two tests of such a wait (the sleeps double from 20 us)."""
-
 StallHook = Callable[[float, list[int]], None]
 yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
     else (lambda: time.sleep(0))
@@ -148,11 +142,6 @@ class SharedMemory:
         # An object whose ``waiting`` is True while a barrier waits (the transport: the
         # stall inspector serves that flag to the other ranks).
         self.waiter: Any = None
-        # Whether a long barrier wait may sleep instead of yielding (asked once per
-        # wait, past NAP_AFTER_S): the async engine's, while no caller is
-        # blocked on it, leaves the core to the caller's computation (the backward pass
-        # that overlaps the collective), where yielding would keep taking it back.
-        self.patient: Callable[[], bool] | None = None
         # True if every rank can read every other rank's memory (set by create()).
         self.single_copy = False
         self.single_copy_reason = "not probed"
@@ -234,27 +223,16 @@ class SharedMemory:
         flags = self.flags
         spin = not self.oversubscribed
         polls = 0
-        nap = 0.0
-        start = nap_from = 0.0
-        waiter, patient = self.waiter, self.patient
+        start = 0.0
+        waiter = self.waiter
         if waiter is not None:
             waiter.waiting = True
         try:
             while min(flags) < target:
                 polls += 1
-                if nap:
-                    time.sleep(nap)
-                    nap = min(2 * nap, MAX_NAP_S)
-                elif not spin or polls > 64:
+                if not spin or polls > 64:
                     yield_cpu()
-                    if patient is not None:
-                        now = time.perf_counter()
-                        if not nap_from:
-                            nap_from = now + NAP_AFTER_S
-                        elif now >= nap_from:
-                            nap = 20e-6 if patient() else 0.0
-                            patient = None  # asked once
-                if nap or polls & 0x3FFF == 0:
+                if polls & 0x3FFF == 0:
                     now = time.monotonic()
                     if start == 0.0:
                         start = now

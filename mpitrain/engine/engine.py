@@ -135,8 +135,6 @@ class Engine:
         self.rank, self.size = self.dispatcher.rank, self.dispatcher.size
         self.stats = EngineStats()
         self._waiters = Waiters(self._drive)
-        if self.dispatcher.shm is not None:  # its long waits sleep while no one waits on it
-            self.dispatcher.shm.patient = self._unwatched
         self._negotiator = Negotiator(self.dispatcher.mpi_comm, self._cycle_seconds(),
                                       self._waiters, self.dispatcher.shm,
                                       self.dispatcher.transport)
@@ -499,11 +497,6 @@ class Engine:
             tl = timeline.current()
             if tl is not None:
                 tl.flush()
-
-    def _unwatched(self) -> bool:
-        """Whether no caller is blocked on this engine's handles (its collectives then
-        overlap the caller's computation)."""
-        return self._waiters.blocked == 0
 
     def _has_work(self, driving: bool = False) -> bool:
         """Whether a cycle has something to do; the progress thread (not ``driving``)

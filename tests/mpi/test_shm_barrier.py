@@ -14,7 +14,6 @@ import pytest
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.comm import shm as shm_module
 from mpitrain.comm.shm import SharedMemory
 
 ROUNDS = 300
@@ -99,76 +98,6 @@ def test_barrier_carries_what_every_rank_wrote(shm: SharedMemory) -> None:
         if seen != [[t, q] for q in range(shm.size)]:
             problems.append(f"barrier {t}: read {seen}")
     assert_all_ranks_raw(shm, not problems, "; ".join(problems[:3]))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("patient", [True, False])
-def test_a_long_wait_sleeps_only_where_it_may(shm: SharedMemory, monkeypatch: pytest.MonkeyPatch,
-                                              patient: bool) -> None:
-    """Rank 0 waits about 0.1 s at a barrier for the other ranks (which keep their core
-    meanwhile). Where its wait may sleep (``patient``, as the async engine's waits
-    while no caller is blocked on it), it sleeps once it has yielded for NAP_AFTER_S,
-    never longer than MAX_NAP_S at a time; otherwise it only yields. It asks once."""
-    naps: list[float] = []
-    yields = [0]
-    real_sleep, real_yield = time.sleep, shm_module.yield_cpu
-
-    def counted_yield() -> None:
-        yields[0] += 1
-        real_yield()
-
-    def counted_sleep(seconds: float) -> None:
-        naps.append(seconds)
-        real_sleep(seconds)
-
-    shm.barrier()  # in step
-    monkeypatch.setattr(shm_module, "yield_cpu", counted_yield)
-    monkeypatch.setattr(shm_module.time, "sleep", counted_sleep)
-    asked = [0]
-
-    def may_sleep() -> bool:
-        asked[0] += 1
-        return patient
-
-    shm.patient = may_sleep
-    if shm.rank != 0:  # late, without sleeping (which the test counts)
-        end = time.perf_counter() + 0.1
-        while time.perf_counter() < end:
-            pass
-    shm.barrier()
-    monkeypatch.undo()
-    shm.patient = None
-    if shm.rank != 0:
-        ok, message = True, ""
-    elif patient:
-        ok = bool(naps) and asked[0] == 1 and max(naps) <= shm_module.MAX_NAP_S
-        message = f"{len(naps)} naps (longest {max(naps, default=0)} s), {yields[0]} yields"
-    else:
-        ok = not naps and yields[0] > 1 and asked[0] == 1
-        message = f"{len(naps)} naps, {yields[0]} yields, asked {asked[0]} times"
-    assert_all_ranks_raw(shm, ok, message)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_the_engine_sleeps_in_long_waits_while_no_caller_waits_on_it() -> None:
-    """The async engine's shared memory may sleep in a long wait, until a caller
-    blocks on one of its handles (then it must be quick: that caller waits)."""
-    comm = mt.Communicator(MPI.COMM_WORLD)
-    try:
-        engine = comm.engine()
-        shm = engine.dispatcher.shm
-        if shm is None:
-            pytest.skip("no shared memory between these ranks")
-        assert shm.patient is not None
-        idle = shm.patient()
-        engine._waiters.blocked += 1  # as Waiters.wait counts a blocked caller
-        try:
-            watched = shm.patient()
-        finally:
-            engine._waiters.blocked -= 1
-        assert_all_ranks_raw(shm, idle and not watched, f"idle {idle}, watched {watched}")
-    finally:
-        comm.free()
 
 
 def assert_all_ranks_raw(shm: SharedMemory, ok: bool, message: str) -> None:
