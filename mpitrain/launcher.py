@@ -59,13 +59,16 @@ from types import FrameType
 from typing import Any, Callable
 
 from . import __version__, config
-from .run_rank import REPORT
 
 YIELD_FLAGS = ["--mca", "mpi_yield_when_idle", "1", "--mca",
                "threads_pthreads_yield_strategy", "nanosleep"]
 QUIET_FLAGS = ["--mca", "osc", "^ucx"]
 """Open MPI's ``osc/ucx`` prints ``OSC UCX component priority set inside component query
 failed`` on every rank that makes a window when there are no UCX devices."""
+REPORT = "MPITRAIN_ELASTIC_REPORT"
+"""Where the ranks' supervisors report a clean exit (``host:port``); ``run_rank.py``,
+a script that runs without this package, reads the same name (a unit test holds them
+equal)."""
 MCA_OPTIONS = ("--mca", "-mca", "--omca", "-omca")
 """The ``mpiexec`` options that set an Open MPI MCA parameter."""
 RANK_WRAPPER = Path(__file__).with_name("run_rank.py")

@@ -62,3 +62,9 @@ def test_clean_exits_are_reported_to_the_launcher() -> None:
         assert exits.take() == 0
     finally:
         exits.close()
+
+
+def test_the_launcher_and_the_rank_wrapper_name_the_same_report_variable() -> None:
+    from mpitrain import launcher
+
+    assert launcher.REPORT == run_rank.REPORT == "MPITRAIN_ELASTIC_REPORT"
