@@ -16,6 +16,8 @@ import mpitrain.torch as hvd  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _init(comm: Any, torch_device: str) -> Iterator[None]:
+    if hvd.is_initialized():  # set ids count from 1 in a fresh registry: start afresh
+        hvd.shutdown()  # even after other files' tests (set ids are never reused)
     hvd.init()
     yield
     if hvd.is_initialized():
