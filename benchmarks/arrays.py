@@ -119,7 +119,8 @@ class DevicePlacement:
             name = name.decode()
         return (f"cupy {self.cupy.__version__} on {name} (GPU {self.device.id} of "
                 f"{self.count} on rank 0's node); policy {comm.cuda_policy} "
-                f"({decision(comm.settings.cuda_aware).how})")
+                f"({decision(comm.settings.cuda_aware).how}); "
+                f"{comm.device_links(self.cupy.empty(1, self.cupy.float32))}")
 
     def copy_seconds(self, nbytes: int, iters: int, warmup: int) -> float:
         """Median seconds of ``cupy.copyto`` of ``nbytes`` between two device buffers."""

@@ -109,6 +109,20 @@ class Communicator:
         pointers) or ``"staged"`` (pinned host memory); see :mod:`mpitrain.dispatch.policy`."""
         return self.dispatcher.device_policy.name
 
+    def device_links(self, x: Any) -> str:
+        """Which device-to-device links (CUDA IPC, NCCL) carry device buffers like ``x``
+        on this communicator, and why the others do not, as one line (see
+        :mod:`mpitrain.comm.links`). Collective the first time for a kind of buffer,
+        as that kind's first collective is: every rank calls it."""
+        from .backends import backend_for
+
+        be = backend_for(x)
+        if not be.is_device:
+            return "host buffers: no device links"
+        if self.size == 1:
+            return "one rank: no device links"
+        return self.dispatcher.links.probe(be, "device_links").describe()
+
     @property
     def settings(self) -> Settings:
         """The settings this communicator runs under (read when it was created, or set

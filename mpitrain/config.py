@@ -170,6 +170,11 @@ MPIEXEC = Setting("MPITRAIN_MPIEXEC", str, "",
 CUDA_AWARE: Setting[bool | None] = Setting(
     "MPITRAIN_CUDA_AWARE", _parse_bool, None,
     "1: hand device buffers to MPI; 0: stage them through host memory; unset: ask MPI.")
+DEVICE_LINKS = Setting("MPITRAIN_DEVICE_LINKS", _parse_choice("auto", "ipc", "nccl", "none"),
+                       "auto",
+                       "Device-to-device links that device buffers may take besides MPI: auto "
+                       "(CUDA IPC inside a node, NCCL where every rank has its own GPU), ipc, "
+                       "nccl, or none (MPI only: CUDA-aware or staged).")
 STAGING_SLOTS = Setting("MPITRAIN_STAGING_SLOTS", _parse_count, 4,
                         "Pinned host segments per direction when staging device buffers.")
 FALLBACK_NOTICE = Setting("MPITRAIN_FALLBACK_NOTICE", _parse_bool, True,
@@ -221,6 +226,7 @@ class Settings:
     inter_segment_bytes: int = INTER_SEGMENT_BYTES.default
     cross_ranks: int = CROSS_RANKS.default
     cuda_aware: bool | None = None
+    device_links: str = DEVICE_LINKS.default
     staging_slots: int = STAGING_SLOTS.default
     stall_warning_s: float = STALL_WARNING_S.default
     stall_timeout_s: float = STALL_TIMEOUT_S.default
@@ -281,13 +287,14 @@ SETTING_OF: dict[str, Setting[Any]] = {
     "check": CHECK, "shm": SHM, "single_copy": SINGLE_COPY,
     "fusion_threshold": FUSION_THRESHOLD, "cycle_time_ms": CYCLE_TIME_MS,
     "inter_segment_bytes": INTER_SEGMENT_BYTES, "cross_ranks": CROSS_RANKS,
-    "cuda_aware": CUDA_AWARE, "staging_slots": STAGING_SLOTS,
+    "cuda_aware": CUDA_AWARE, "device_links": DEVICE_LINKS, "staging_slots": STAGING_SLOTS,
     "stall_warning_s": STALL_WARNING_S, "stall_timeout_s": STALL_TIMEOUT_S,
     "stall_action": STALL_ACTION, "elastic": ELASTIC,
 }
 """The field of :class:`Settings` that each communicator setting fills."""
 
-AGREED = ("algorithm", "segment_bytes", "check", "inter_segment_bytes", "cross_ranks")
+AGREED = ("algorithm", "segment_bytes", "check", "inter_segment_bytes", "cross_ranks",
+          "device_links")
 """Settings that every rank of a communicator must share: they decide the algorithm of a
 call, its messages and whether it is validated. The rules of the tuning file are
 compared too (its contents, not its path, which may differ between nodes). The fusion

@@ -20,6 +20,15 @@ owns :class:`ForeignDeviceArray`, the fake's counterpart of a torch CUDA tensor:
 another library's object in the same device memory, which ``asarray`` wraps in a new
 view (as ``cupy.from_dlpack`` does), so ``asarray(x) is x`` never holds for it.
 
+Its memory is host shared memory, so that other processes can map it as CUDA IPC
+maps a GPU's (:class:`FakeHeap`): arrays are carved out of *allocations* (files in
+``/dev/shm`` mapped here, like the blocks a CUDA pool splits); a handle names the
+allocation, so an array is shared as its allocation's handle and an offset; a process
+cannot open its own handles; a freed allocation's (fake) address is handed to the next
+one, with a new handle, while the processes that mapped the old one still see its old
+bytes, as on a GPU. Arrays made by numpy operations, and foreign arrays, are not in
+the heap and cannot be exported (the fake's ``cudaMallocAsync`` memory).
+
 While :func:`fake_backend` is active, the device transports post their sends as
 ``MPI_Issend`` (:data:`mpitrain.comm.staging.SYNCHRONOUS_SENDS`): a send completes only
 once its receive is matched, as every message above MPI's eager limit does on a real
@@ -29,6 +38,9 @@ machine, so a transport that waits on its peer's receive shows it with tiny mess
 from __future__ import annotations
 
 import contextlib
+import itertools
+import mmap
+import os
 import random
 import threading
 import weakref
@@ -38,6 +50,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from mpitrain.backends import NUMPY
+from mpitrain.backends.device import Export
 from mpitrain.ops import ReduceOp
 
 POISON = 0xA5
@@ -149,6 +162,94 @@ class FakeEvent:
         self.device.run_until(lambda: self.marker is None or self.marker.reached)
 
 
+class _Allocation(mmap.mmap):
+    """A mapping of one fake allocation's file (a subclass: it can be weakly referenced,
+    so the allocation is freed when its last array is gone)."""
+
+
+ALLOCATION_BYTES = 1 << 20
+"""Smallest fake allocation: smaller arrays share one, as in a CUDA memory pool."""
+_ALIGN = 256
+_FILES = itertools.count()
+
+
+def _sweep() -> None:
+    """Remove the allocation files of fake devices whose processes are gone (killed
+    before they could remove their own)."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("mpitrain-fake-"):
+            pid = name.split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{name}")
+
+
+class FakeHeap:
+    """Fake device memory in host shared memory, handed out as CUDA pools do."""
+
+    swept = False
+
+    def __init__(self) -> None:
+        if not FakeHeap.swept:
+            FakeHeap.swept = True
+            _sweep()
+        # start -> (size, handle, base, identity)
+        self.live: dict[int, tuple[int, bytes, int, int]] = {}
+        self.free_bases: list[int] = []
+        self.next_base = 1 << 40
+        self.current: tuple[np.ndarray[Any, Any], int] | None = None  # (memory, bytes used)
+
+    def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
+        path = f"/dev/shm/mpitrain-fake-{os.getpid()}-{next(_FILES)}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = _Allocation(fd, nbytes)
+        finally:
+            os.close(fd)
+        memory: np.ndarray[Any, Any] = np.frombuffer(mapping, np.uint8)
+        start = memory.ctypes.data
+        if self.free_bases:
+            base = self.free_bases.pop()
+        else:
+            base, self.next_base = self.next_base, self.next_base + (1 << 32)
+        identity = next(_FILES)
+        handle = f"{os.getpid()}:{path}".encode()
+        self.live[start] = (nbytes, handle, base, identity)
+        weakref.finalize(mapping, self._free, start, path, base)
+        return memory
+
+    def _free(self, start: int, path: str, base: int) -> None:
+        self.live.pop(start, None)
+        self.free_bases.append(base)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    def empty(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """``nbytes`` of poisoned fake device memory."""
+        nbytes = max(nbytes, 1)
+        if nbytes > ALLOCATION_BYTES // 4:
+            memory = self._allocate(nbytes)
+            used = 0
+        else:
+            if self.current is None or self.current[1] + nbytes > self.current[0].size:
+                self.current = (self._allocate(ALLOCATION_BYTES), 0)
+            memory, used = self.current
+            self.current = (memory, used + -(-nbytes // _ALIGN) * _ALIGN)
+        piece = memory[used:used + nbytes]
+        piece.fill(POISON)
+        return piece
+
+    def export(self, arr: Any) -> Export | None:
+        """The allocation's handle and base, and ``arr``'s offset in it (None: not in
+        the heap)."""
+        address = arr.__array_interface__["data"][0]
+        for start, (size, handle, base, identity) in self.live.items():
+            if start <= address < start + size:
+                return Export(handle, base, identity, address - start)
+        return None
+
+
 class FakeDevice:
     """The fake GPU: streams, events, pinned buffers and copies.
 
@@ -170,6 +271,10 @@ class FakeDevice:
         self._local = threading.local()  # the current stream is per thread
         self.default = FakeStream(self, "default")
         self.streams: list[FakeStream] = [self.default]
+        self.heap = FakeHeap()
+        self.identity = "fake-gpu:0"  # every process's fake device is "the same GPU"
+        self.opened = 0
+        self.closed = 0
 
     @property
     def current(self) -> FakeStream:
@@ -216,6 +321,37 @@ class FakeDevice:
         assert dst.nbytes == src.nbytes and not isinstance(src, FakeDeviceArray)
         assert isinstance(dst, FakeDeviceArray), "copy_to_device needs a device destination"
         stream.enqueue(lambda: np.copyto(dst, src))
+
+    def can_map(self, identity: str) -> bool:
+        """Every fake device maps every other."""
+        return True
+
+    def export(self, arr: Any) -> Export | None:
+        """See :meth:`FakeHeap.export`."""
+        return self.heap.export(arr)
+
+    def open(self, handle: bytes) -> np.ndarray[Any, Any]:
+        """Map another process's allocation (its bytes as a uint8 array)."""
+        pid, path = handle.rstrip(b"\0").decode().split(":", 1)
+        if int(pid) == os.getpid():
+            raise RuntimeError("fake cudaIpcOpenMemHandle: a process cannot open its own "
+                               "handle (cudaErrorDeviceUninitialized)")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = _Allocation(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.opened += 1
+        return np.frombuffer(mapping, np.uint8)
+
+    def view(self, mapping: Any, offset: int, count: int, dtype: Any) -> FakeDeviceArray:
+        """``count`` elements at byte ``offset`` of a mapping."""
+        nbytes = count * np.dtype(dtype).itemsize
+        return mapping[offset:offset + nbytes].view(dtype).view(FakeDeviceArray)
+
+    def close(self, mapping: Any) -> None:
+        """Unmap (the mapping goes with its last view)."""
+        self.closed += 1
 
     def latency(self) -> int:
         """Clock ticks a new piece of work takes before it may run."""
@@ -291,10 +427,10 @@ class FakeBackend:
         return True
 
     def empty(self, count: int, dtype: Any) -> Any:
-        """A new poisoned array."""
-        arr = np.empty(count, dtype=dtype).view(FakeDeviceArray)
-        arr.view(np.uint8).fill(POISON)
-        return arr
+        """A new poisoned array in the fake device's heap."""
+        dtype = np.dtype(dtype)
+        memory = self.fake.heap.empty(count * dtype.itemsize)
+        return memory[:count * dtype.itemsize].view(dtype).view(FakeDeviceArray)
 
     def empty_like(self, arr: Any) -> Any:
         """A new poisoned array shaped like ``arr``."""
@@ -390,9 +526,18 @@ class FakeBackend:
         return self.fake
 
 
+_ACTIVE: list[FakeBackend] = []
+
+
 def to_device(host: np.ndarray[Any, Any]) -> FakeDeviceArray:
-    """A fake device array holding a copy of ``host`` (ready at once)."""
-    return np.array(host, copy=True).view(FakeDeviceArray)
+    """A fake device array holding a copy of ``host`` (ready at once), in the heap of the
+    active :func:`fake_backend` (outside one: in private memory)."""
+    if not _ACTIVE:
+        return np.array(host, copy=True).view(FakeDeviceArray)
+    host = np.asarray(host)
+    out = _ACTIVE[-1].empty(host.size, host.dtype).reshape(host.shape)
+    np.copyto(out.view(np.ndarray), host)
+    return out  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -407,9 +552,11 @@ def fake_backend(seed: int, eagerness: int = 2) -> Iterator[FakeBackend]:
     synchronous = staging.SYNCHRONOUS_SENDS
     backends._BACKENDS[:] = [b for b in saved if not isinstance(b, FakeBackend)] + [backend]
     staging.SYNCHRONOUS_SENDS = True
+    _ACTIVE.append(backend)
     try:
         yield backend
     finally:
+        _ACTIVE.remove(backend)
         backends._BACKENDS[:] = saved
         staging.SYNCHRONOUS_SENDS = synchronous
 

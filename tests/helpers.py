@@ -288,3 +288,11 @@ def adasum_reference(vectors: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any
         level = [adasum_pair(level[i], level[i + 1]).astype(dt).astype(np.float64)
                  for i in range(0, len(level), 2)]
     return level[0].astype(dt)
+
+
+def host_algorithms(collective: str) -> list[str]:
+    """The algorithms of ``collective`` that run on host buffers (not the device-only
+    ``ipc`` and ``nccl``, which tests/mpi/test_ipc.py and test_nccl.py run)."""
+    from mpitrain.algorithms import REGISTRY
+
+    return [name for name, plan in REGISTRY[collective].items() if not plan.device_only]

@@ -16,7 +16,9 @@ from .adasum import AdasumAllreduce
 from .base import Plan, PlanRequest
 from .bruck import BruckAllgather
 from .hierarchical import HierarchicalAllgather, HierarchicalAllreduce, HierarchicalReduceScatter
+from .ipc import IpcAllgather, IpcAllreduce, IpcReduceScatter
 from .native import NativeAllgather, NativeAllreduce, NativeBroadcast, NativeReduceScatter
+from .nccl import NcclAllgather, NcclAllreduce, NcclBroadcast, NcclReduceScatter
 from .rabenseifner import RabenseifnerAllreduce
 from .recursive_doubling import RecursiveDoublingAllgather, RecursiveDoublingAllreduce
 from .recursive_halving import RecursiveHalvingReduceScatter
@@ -29,15 +31,18 @@ REGISTRY: dict[str, dict[str, type[Plan]]] = {
     "allreduce": {"ring": RingAllreduce, "mpi": NativeAllreduce, "shm": ShmAllreduce,
                   "recursive_doubling": RecursiveDoublingAllreduce,
                   "rabenseifner": RabenseifnerAllreduce,
-                  "hierarchical": HierarchicalAllreduce, "single_copy": SingleCopyAllreduce},
+                  "hierarchical": HierarchicalAllreduce, "single_copy": SingleCopyAllreduce,
+                  "ipc": IpcAllreduce, "nccl": NcclAllreduce},
     "reduce_scatter": {"ring": RingReduceScatter, "mpi": NativeReduceScatter,
                        "shm": ShmReduceScatter, "recursive_halving": RecursiveHalvingReduceScatter,
                        "hierarchical": HierarchicalReduceScatter,
-                       "single_copy": SingleCopyReduceScatter},
+                       "single_copy": SingleCopyReduceScatter, "ipc": IpcReduceScatter,
+                       "nccl": NcclReduceScatter},
     "allgather": {"ring": RingAllgather, "mpi": NativeAllgather, "shm": ShmAllgather,
                   "recursive_doubling": RecursiveDoublingAllgather, "bruck": BruckAllgather,
-                  "hierarchical": HierarchicalAllgather, "single_copy": SingleCopyAllgather},
-    "broadcast": {"mpi": NativeBroadcast, "shm": ShmBroadcast},
+                  "hierarchical": HierarchicalAllgather, "single_copy": SingleCopyAllgather,
+                  "ipc": IpcAllgather, "nccl": NcclAllgather},
+    "broadcast": {"mpi": NativeBroadcast, "shm": ShmBroadcast, "nccl": NcclBroadcast},
 }
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {c: tuple(algos) for c, algos in REGISTRY.items()}

@@ -21,8 +21,12 @@ algorithm says otherwise) tell the dispatcher how to call ``run``:
   of a fusion bucket, not packed into one buffer);
 * ``point_to_point``: every byte moves through the transport's isend/irecv, so a
   device transport can stand in for the host one;
-* ``needs_shared_memory``: it runs only when every rank is on one node, on host
-  buffers;
+* ``needs_shared_memory``: it runs only when every rank is on one node (it uses the
+  node's shared-memory window);
+* ``host_only``: it runs on host (numpy) buffers only;
+* ``device_only``: it runs on device buffers only, device to device (``ipc``,
+  ``nccl``): offered where the communicator's device layout allows its ``link``
+  (:class:`~mpitrain.comm.links.Layout`), never through a transfer policy;
 * ``needs_single_copy``: it also reads other ranks' memory directly
   (:attr:`~mpitrain.comm.shm.SharedMemory.single_copy`).
 """
@@ -35,6 +39,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import numpy as np
 
 from ..backends import ArrayBackend
+from ..comm.links import DeviceLinks
 from ..comm.shm import SharedMemory
 from ..comm.topology import Topology
 from ..comm.transport import PeerTransport
@@ -77,6 +82,10 @@ class PlanRequest:
             algorithms (``MPITRAIN_INTER_SEGMENT_BYTES``; 0: as ``segment_bytes``).
         cross_ranks: how many ranks of each node exchange across nodes in a
             hierarchical allreduce (``MPITRAIN_CROSS_RANKS``; 0: every local rank).
+        links: the communicator's device-to-device links (device-only algorithms).
+        fallback: builds the plan of another algorithm of this collective for the same
+            call through the communicator's transfer policy (a device-only algorithm
+            runs it where its link cannot carry a call).
     """
 
     transport: PeerTransport
@@ -92,6 +101,8 @@ class PlanRequest:
     choose: Chooser = first_available
     inter_segment_bytes: int = 60 << 10
     cross_ranks: int = 1
+    links: DeviceLinks | None = None
+    fallback: Callable[[str], Plan] | None = None
 
     @property
     def count(self) -> int:
@@ -121,6 +132,9 @@ class Plan(Protocol):
     takes_pieces: ClassVar[bool] = False
     point_to_point: ClassVar[bool] = False
     needs_shared_memory: ClassVar[bool] = False
+    host_only: ClassVar[bool] = False
+    device_only: ClassVar[bool] = False
+    link: ClassVar[str] = ""
     needs_single_copy: ClassVar[bool] = False
 
     def __init__(self, req: PlanRequest) -> None:

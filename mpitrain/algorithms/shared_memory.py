@@ -93,6 +93,7 @@ class _ShmPlan(Plan):
     """What every shared-memory plan starts from."""
 
     needs_shared_memory = True
+    host_only = True
 
     def __init__(self, req: PlanRequest) -> None:
         self.shm, self.validator = _parts(req)

@@ -56,6 +56,7 @@ class _SingleCopyPlan(Plan):
     """What every single-copy plan starts from: the records and the barriers."""
 
     needs_shared_memory = True
+    host_only = True
     needs_single_copy = True
 
     def __init__(self, req: PlanRequest) -> None:

@@ -18,6 +18,7 @@ entry and on exit.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 from typing import Any, Iterator
 
@@ -27,6 +28,7 @@ import numpy as np
 from ..ops import ReduceOp
 from . import kernels
 from .base import Array, is_device_array
+from .device import Export
 from .numpy_backend import scale_integer
 
 _UFUNCS = {
@@ -54,11 +56,90 @@ def as_stream(stream: Any) -> Any:
     return cupy.cuda.ExternalStream(handle)
 
 
+_BUFFER_ID = 7
+"""``CU_POINTER_ATTRIBUTE_BUFFER_ID``: an allocation's identity, unique in the process."""
+
+
+@functools.cache
+def _driver() -> Any:
+    """The CUDA driver's ``cuMemGetAddressRange_v2`` (the allocation that holds an
+    address) and ``cuPointerGetAttribute``, or None where the driver cannot be loaded."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    address_range = driver.cuMemGetAddressRange_v2
+    address_range.restype = ctypes.c_int
+    address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                              ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    attribute = driver.cuPointerGetAttribute
+    attribute.restype = ctypes.c_int
+    attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    return address_range, attribute
+
+
 class CupyDevice:
-    """One GPU, as the staging transport sees it (:class:`~.device.Device`)."""
+    """One GPU, as the staging transport and the ``ipc`` algorithms see it
+    (:class:`~.device.IpcDevice`)."""
 
     def __init__(self, device_id: int) -> None:
         self.id = device_id
+        self.identity = cupy.cuda.Device(device_id).pci_bus_id
+        self._handles: dict[tuple[int, int], bytes] = {}  # (base, buffer id) -> handle
+
+    def can_map(self, identity: str) -> bool:
+        """True for this GPU, and for a visible peer GPU this one can access."""
+        if identity == self.identity:
+            return True
+        try:
+            peer = cupy.cuda.runtime.deviceGetByPCIBusId(identity)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            return False  # not visible in this process
+        return bool(cupy.cuda.runtime.deviceCanAccessPeer(self.id, peer))
+
+    def export(self, arr: Any) -> Export | None:
+        """The IPC handle of the allocation holding ``arr`` (found by the driver: CuPy's
+        and torch's pools hand out pieces of larger allocations) and ``arr``'s offset
+        in it; None where the memory has no such handle (``cudaMallocAsync`` pools).
+        Handles are kept per allocation (its address and buffer id): asking the runtime
+        each call costs more than the call."""
+        driver = _driver()
+        if driver is None:
+            return None
+        address_range, attribute = driver
+        ptr = int(arr.data.ptr)
+        base, size, buffer_id = ctypes.c_uint64(0), ctypes.c_size_t(0), ctypes.c_uint64(0)
+        if address_range(ctypes.byref(base), ctypes.byref(size), ptr) != 0 or \
+                attribute(ctypes.byref(buffer_id), _BUFFER_ID, ptr) != 0:
+            return None
+        key = (base.value, buffer_id.value)
+        handle = self._handles.get(key)
+        if handle is None:
+            try:
+                handle = cupy.cuda.runtime.ipcGetMemHandle(base.value)
+            except cupy.cuda.runtime.CUDARuntimeError:
+                return None
+            if len(self._handles) >= 1024:
+                self._handles.clear()
+            self._handles[key] = handle
+        return Export(handle, base.value, buffer_id.value, ptr - base.value)
+
+    def open(self, handle: bytes) -> int:
+        """Map a peer's allocation (peer access enabled as needed); its address here."""
+        with cupy.cuda.Device(self.id):
+            return int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
+
+    def view(self, mapping: int, offset: int, count: int, dtype: Any) -> Any:
+        """A flat CuPy array of ``count`` elements at byte ``offset`` of a mapping."""
+        dtype = np.dtype(dtype)
+        memory = cupy.cuda.UnownedMemory(mapping + offset, count * dtype.itemsize, None,
+                                         self.id)
+        return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+    def close(self, mapping: int) -> None:
+        """Unmap a peer's allocation."""
+        with cupy.cuda.Device(self.id):
+            cupy.cuda.runtime.ipcCloseMemHandle(mapping)
 
     def current_stream(self) -> Any:
         """CuPy's current stream."""

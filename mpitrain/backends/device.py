@@ -13,7 +13,7 @@ wait until the work before ``event.record(...)`` is done).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class Stream(Protocol):
@@ -63,3 +63,45 @@ class Device(Protocol):
 
     def copy_to_device(self, dst: Any, src: Any, stream: Stream) -> None:
         """Queue on ``stream`` a copy of pinned host bytes ``src`` into device bytes ``dst``."""
+
+
+class Export(NamedTuple):
+    """What another process needs to map a buffer: the handle of the allocation that
+    holds it (a handle always covers a whole allocation, and allocators hand out pieces
+    of larger ones), the allocation's address in the owner and its identity (two
+    allocations at one address, freed and allocated again, have different ones), and
+    the buffer's byte offset in it."""
+
+    handle: bytes
+    base: int
+    identity: int
+    offset: int
+
+
+class IpcDevice(Device, Protocol):
+    """A device whose memory other processes on the node can map (CUDA IPC).
+
+    A process cannot map its own handles, and mapping costs far more than a call (CUDA:
+    ~90 us), so mappings are cached by the caller (:mod:`mpitrain.comm.ipc`).
+    """
+
+    identity: str
+    """The physical device, named the same in every process (its PCI bus id)."""
+
+    def can_map(self, identity: str) -> bool:
+        """True if this process can map memory of the device ``identity`` (the same
+        device, or a peer with P2P access)."""
+
+    def export(self, arr: Any) -> Export | None:
+        """The :class:`Export` of a device array's memory, or ``None`` where its memory
+        cannot be shared this way (stream-ordered pools: ``cudaMallocAsync``). Cheap
+        after the first call for an allocation."""
+
+    def open(self, handle: bytes) -> Any:
+        """Map another process's allocation; returns the mapping (its base address)."""
+
+    def view(self, mapping: Any, offset: int, count: int, dtype: Any) -> Any:
+        """A flat device array of ``count`` elements at byte ``offset`` of a mapping."""
+
+    def close(self, mapping: Any) -> None:
+        """Unmap a mapping that :meth:`open` returned."""

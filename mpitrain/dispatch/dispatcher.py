@@ -34,8 +34,10 @@ returning (:meth:`~mpitrain.backends.base.ArrayBackend.scope`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -48,6 +50,7 @@ from ..backends import NUMPY, ArrayBackend, hostcopy
 from ..comm import objects
 from ..comm import shm as shared
 from ..comm.inspector import StallLimits
+from ..comm.links import DeviceLinks, Layout
 from ..comm.topology import Topology
 from ..comm.transport import Transport
 from ..comm.validation import NO_PAYLOAD, Signature, Validator, signature
@@ -125,9 +128,11 @@ class Dispatcher:
         if self.shm is not None:
             self.transport.watch(self.shm)
         self.validator = Validator(self.transport, self.shm)
+        self.links = DeviceLinks(self.transport, self.topology, self.shm, settings.device_links)
         self.checks = Checks(self.rank, self.size, self._check_algorithm)
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
-        self._available: dict[tuple[str, str], tuple[str, ...]] = {}
+        # (collective, buffer, device layout) -> (runnable, preferred by auto)
+        self._available: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._choices: dict[tuple[Any, ...], str] = {}
         # (collective, requested, buffer, dtype, algorithm) of the choices logged
         self._logged: set[tuple[Any, ...]] = set()
@@ -170,6 +175,10 @@ class Dispatcher:
                 "(read when it is created); create a new mpitrain.Communicator with them")
         self.settings, self.table = settings, table
         self.device_policy = device_policy(settings)
+        if settings.device_links != self.links.allowed:
+            self.links.free()
+            self.links = DeviceLinks(self.transport, self.topology, self.shm,
+                                     settings.device_links)
         for cache in (self._plans, self._available, self._choices, self._logged, self._small,
                       self._small_rs, self._small_ag):
             cache.clear()
@@ -211,35 +220,62 @@ class Dispatcher:
         if collective not in algorithms.ALGORITHMS:
             raise ArgumentError(f"unknown collective {collective!r}; use one of "
                                 f"{', '.join(algorithms.ALGORITHMS)}")
-        return list(self._available_for(collective, NUMPY))
+        return list(self._available_for(collective, NUMPY)[0])
 
-    def _available_for(self, collective: str, be: ArrayBackend) -> tuple[str, ...]:
-        key = (collective, be.name)
-        names = self._available.get(key)
-        if names is None:
-            shm_ok = self.shm is not None and be is NUMPY
-            peers_ok = shm_ok and self.shm is not None and self.shm.single_copy
-            plans = algorithms.REGISTRY[collective]
-            names = tuple(a for a in algorithms.ALGORITHMS[collective]
-                          if (shm_ok or not plans[a].needs_shared_memory)
-                          and (peers_ok or not plans[a].needs_single_copy))
-            self._available[key] = names
-        return names
+    def _available_for(self, collective: str,
+                       be: ArrayBackend) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The algorithms that can run ``collective`` on ``be``'s buffers here, and those
+        of them that ``auto`` may choose. Before the device layout is known (the first
+        device call finds it) the device-only ones count as runnable."""
+        layout = self.links.layout(be) if be.is_device else None
+        key = (collective, be.name, layout)
+        found = self._available.get(key)
+        if found is None:
+            found = self._available[key] = self._runnable(collective, be, layout)
+        return found
+
+    def _runnable(self, collective: str, be: ArrayBackend,
+                  layout: Layout | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        shm_ok = self.shm is not None
+        peers_ok = shm_ok and self.shm is not None and self.shm.single_copy and be is NUMPY
+        plans = algorithms.REGISTRY[collective]
+        runnable, preferred = [], []
+        for name in algorithms.ALGORITHMS[collective]:
+            plan = plans[name]
+            if (plan.needs_shared_memory and not shm_ok) or (plan.host_only and be.is_device) \
+                    or (plan.needs_single_copy and not peers_ok) \
+                    or (plan.device_only and not be.is_device):
+                continue
+            if plan.device_only and layout is not None and not layout.runnable(plan.link):
+                continue
+            runnable.append(name)
+            if not plan.device_only or layout is None or layout.preferred(plan.link):
+                preferred.append(name)
+        return tuple(runnable), tuple(preferred)
 
     def _check_algorithm(self, collective: str, name: str, be: ArrayBackend,
                          dt: np.dtype[Any]) -> None:
-        """Raise unless this dispatcher can run the algorithm ``name`` for such a call."""
-        self.algorithm(collective, name, 0, be, dt)
+        """Raise unless this dispatcher can run the algorithm ``name`` for such a call
+        (local: never finds the device layout)."""
+        self.algorithm(collective, name, 0, be, dt, probe=False)
 
     def algorithm(self, collective: str, requested: str | None, nbytes: int,
-                  be: ArrayBackend, dt: np.dtype[Any]) -> str:
+                  be: ArrayBackend, dt: np.dtype[Any], probe: bool = True) -> str:
         """The algorithm of a call: the requested one, or the selection table's choice.
 
         A name from ``MPITRAIN_ALGORITHM`` that this collective (or this dispatcher)
         cannot run falls back to the table; a name passed as ``algorithm=`` raises.
-        Memoized: the same arguments always give the same name.
+        Memoized: the same arguments always give the same name. The first device call
+        finds the device layout (collective, :meth:`DeviceLinks.probe`) unless ``probe``
+        is False (a local check).
         """
-        key = (collective, requested, nbytes, dt, be.name)
+        layout = None
+        if be.is_device and self.size > 1:
+            layout = self.links.layout(be)
+            if layout is None and probe:
+                layout = self.links.probe(be, collective)
+                log.debug("mpitrain rank %d: %s", self.rank, layout.describe())
+        key = (collective, requested, nbytes, dt, be.name, layout)
         choice = self._choices.get(key)
         if choice is None:
             name = requested or self.settings.algorithm
@@ -271,17 +307,31 @@ class Dispatcher:
 
     def _choose(self, collective: str, name: str, from_env: bool, nbytes: int,
                 be: ArrayBackend, dt: np.dtype[Any]) -> str:
-        available = self._available_for(collective, be)
+        available, preferred = self._available_for(collective, be)
         if name in available or (self.size == 1 and name in algorithms.ALGORITHMS[collective]):
             return name
         if name == "auto" or (from_env and name in algorithms.KNOWN):
-            return self.table.select(collective, nbytes, self.size, be.name, available,
+            return self.table.select(collective, nbytes, self.size, be.name, preferred,
                                      dtype_name(dt), self.topology.node_count)
         if name in algorithms.ALGORITHMS[collective]:
-            raise ArgumentError(f"rank {self.rank}: the {name} {collective} needs every rank "
-                                "on one node and host (numpy) buffers; use algorithm='auto'")
+            raise ArgumentError(f"rank {self.rank}: the {name} {collective} "
+                                f"{self._why_not(collective, name, be)}; use algorithm='auto'")
         raise ArgumentError(f"rank {self.rank}: unknown {collective} algorithm "
                             f"{name!r}; use one of auto, {', '.join(available)}")
+
+    def _why_not(self, collective: str, name: str, be: ArrayBackend) -> str:
+        """Why the algorithm ``name`` is not runnable for ``be``'s buffers (a phrase that
+        follows its name)."""
+        plan = algorithms.REGISTRY[collective][name]
+        if plan.device_only and not be.is_device:
+            return "runs on device buffers only"
+        if plan.device_only:
+            layout = self.links.layout(be)
+            return "cannot run here: " + (layout.why if layout is not None else "no device link")
+        if plan.host_only and be.is_device:
+            return "runs on host (numpy) buffers only"
+        return "needs every rank on one node with shared memory" + \
+            (" and single-copy reads (MPITRAIN_SINGLE_COPY)" if plan.needs_single_copy else "")
 
     def takes_pieces(self, algorithm: str | None, nbytes: int, be: ArrayBackend,
                      dt: np.dtype[Any]) -> bool:
@@ -695,6 +745,7 @@ class Dispatcher:
     def free(self) -> None:
         """Release the private communicator, shared memory and plans (collective)."""
         self._plans.clear()
+        self.links.free()
         if self.shm is not None:
             self.shm.free()
             self.shm = None
@@ -737,7 +788,13 @@ class Dispatcher:
                                   settings.segment_bytes, self.shm, self.validator,
                                   self.table.select, settings.inter_segment_bytes,
                                   settings.cross_ranks)
-            plan = policy.build(collective, name, request)
+            plans = algorithms.REGISTRY[collective]
+            if name in plans and plans[name].device_only:
+                fallback = functools.partial(policy.build, collective, request=request)
+                plan = algorithms.build(collective, name, replace(request, links=self.links,
+                                                                  fallback=fallback))
+            else:
+                plan = policy.build(collective, name, request)
             self._plans[key] = plan
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)

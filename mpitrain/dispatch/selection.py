@@ -33,7 +33,7 @@ class Rule:
     max_bytes: int = 1 << 62
     min_ranks: int = 1
     max_ranks: int = 1 << 30
-    buffer: str = "any"  # "numpy", "cupy" or "any"
+    buffer: str = "any"  # "numpy", "cupy", "device" (any device backend) or "any"
     dtypes: str = "any"  # "any" or a comma list of dtype names ("float16,bfloat16")
     min_nodes: int = 1
 
@@ -42,13 +42,25 @@ class Rule:
         """True if this rule applies to the call."""
         return (self.collective == collective and self.min_bytes <= nbytes < self.max_bytes
                 and self.min_ranks <= ranks <= self.max_ranks
-                and self.buffer in ("any", buffer) and nodes >= self.min_nodes
+                and (self.buffer in ("any", buffer)
+                     or (self.buffer == "device" and buffer != "numpy"))
+                and nodes >= self.min_nodes
                 and (self.dtypes == "any" or dtype in self.dtypes.split(",")))
 
 
 KiB, MiB = 1 << 10, 1 << 20
 
 DEFAULT_RULES: tuple[Rule, ...] = (
+    # Device buffers: NCCL where every rank has its own GPU, else CUDA IPC inside a node
+    # (offered only where the communicator's device layout allows them:
+    # mpitrain.comm.links), else the rules below through CUDA-aware MPI or staging.
+    Rule("allreduce", "nccl", buffer="device"),
+    Rule("reduce_scatter", "nccl", buffer="device"),
+    Rule("allgather", "nccl", buffer="device"),
+    Rule("broadcast", "nccl", buffer="device"),
+    Rule("allreduce", "ipc", buffer="device"),
+    Rule("reduce_scatter", "ipc", buffer="device"),
+    Rule("allgather", "ipc", buffer="device"),
     # Across nodes (BENCHMARKS.md, "Multi-node"): small messages go to native MPI's
     # single exchange, larger ones to the node-aware phases.
     Rule("allreduce", "hierarchical", min_bytes=256 * KiB, min_nodes=2),

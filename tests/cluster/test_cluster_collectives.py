@@ -34,7 +34,8 @@ from mpitrain.backends import NUMPY
 
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 # Across hosts only the algorithms that do not need one node's shared memory run.
-ALGORITHMS = {c: tuple(a for a in algos if not REGISTRY[c][a].needs_shared_memory)
+ALGORITHMS = {c: tuple(a for a in algos if not REGISTRY[c][a].needs_shared_memory
+                       and not REGISTRY[c][a].device_only)
               for c, algos in REGISTERED.items()}
 IDS = [f"{d}-{o.value}" for d, o in CASES]
 
@@ -139,7 +140,8 @@ def test_shared_memory_algorithms_refuse_several_hosts(comm: mt.Communicator,
             "allgather": lambda a: comm.allgather(x, algorithm=a),
             "broadcast": lambda a: comm.broadcast(x, algorithm=a)}[collective]
     for algorithm in sorted(a for a in REGISTERED[collective]
-                            if REGISTRY[collective][a].needs_shared_memory):
+                            if REGISTRY[collective][a].needs_shared_memory
+                            and not REGISTRY[collective][a].device_only):
         with pytest.raises(ValueError, match=f"the {algorithm} {collective} needs every rank "
                                              "on one node"):
             call(algorithm)

@@ -6,13 +6,12 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, dtype_params
+from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, dtype_params, host_algorithms
 
 import mpitrain as mt
-from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
-ALLGATHER = ["auto", *REGISTERED["allgather"]]
-BROADCAST = ["auto", *REGISTERED["broadcast"]]
+ALLGATHER = ["auto", *host_algorithms("allgather")]
+BROADCAST = ["auto", *host_algorithms("broadcast")]
 
 
 def rows_of(rank: int, base: int) -> int:

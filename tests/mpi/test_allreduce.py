@@ -14,14 +14,14 @@ from helpers import (
     check_allreduce,
     crafted,
     dtype_op_cases,
+    host_algorithms,
     reference,
 )
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
-ALGORITHMS = ["auto", *REGISTERED["allreduce"]]
+ALGORITHMS = ["auto", *host_algorithms("allreduce")]
 SEGMENTED = ["ring", "shm"]  # algorithms with a pipeline that MPITRAIN_SEGMENT_BYTES cuts
 
 

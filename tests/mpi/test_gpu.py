@@ -23,9 +23,12 @@ from gpu import cupy, use_local_device
 from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
+from mpitrain.algorithms import ALGORITHMS as ALGORITHMS_OF
+from mpitrain.backends import backend_for
 from mpitrain.backends.cuda_aware import detected
 
-ALGORITHMS = ["auto", "ring", "mpi"]
+LINKS = ["ipc", "nccl"]
+ALGORITHMS = ["auto", "ring", "mpi", *LINKS]
 CASES = [(d, o) for d in DTYPES for o in ops_for(d)]
 
 
@@ -122,6 +125,20 @@ def dev(request: pytest.FixtureRequest, comm: mt.Communicator,
         yield FakeArrays(backend)
 
 
+def runs_here(comm: mt.Communicator, dev: Arrays, algorithm: str) -> None:
+    """Skip a device-link algorithm on the fake GPU (tests/mpi/test_ipc.py and
+    test_nccl.py run it there, with its fakes) and where this layout cannot run it."""
+    if algorithm not in LINKS or comm.size == 1:
+        return
+    if dev.name == "fake":
+        pytest.skip(f"{algorithm} on the fake GPU: tests/mpi/test_{algorithm}.py")
+    x = dev.put(np.zeros(1, np.float32))
+    line = comm.device_links(x)
+    layout = comm.dispatcher.links.layout(backend_for(x))
+    if layout is None or not layout.runnable(algorithm):
+        pytest.skip(f"{algorithm} cannot run here: {line}")
+
+
 def counts(size: int, big: int) -> list[int]:
     """0, 1, fewer than ranks, not divisible by 2..5, and ``big``."""
     return sorted({0, 1, max(size - 1, 0), 1001, big})
@@ -132,6 +149,7 @@ def counts(size: int, big: int) -> list[int]:
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
 def test_allreduce(comm: mt.Communicator, dev: Arrays, algorithm: str, dtype: str,
                    op: mt.ReduceOp) -> None:
+    runs_here(comm, dev, algorithm)
     for count in counts(comm.size, dev.big):
         expected = reference(comm.size, count, dtype, op)
         x = dev.put(crafted(comm.rank, count, dtype, op))
@@ -146,6 +164,7 @@ def test_allreduce(comm: mt.Communicator, dev: Arrays, algorithm: str, dtype: st
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
 def test_reduce_scatter(comm: mt.Communicator, dev: Arrays, algorithm: str, dtype: str,
                         op: mt.ReduceOp) -> None:
+    runs_here(comm, dev, algorithm)
     for rows in sorted({1, comm.size, 2 * comm.size + 1, dev.big // 4}):
         full = reference(comm.size, rows * 4, dtype, op).reshape(rows, 4)
         x = dev.put(crafted(comm.rank, rows * 4, dtype, op)).reshape(rows, 4)
@@ -159,6 +178,7 @@ def test_reduce_scatter(comm: mt.Communicator, dev: Arrays, algorithm: str, dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather_and_broadcast(comm: mt.Communicator, dev: Arrays, algorithm: str,
                                  dtype: str) -> None:
+    runs_here(comm, dev, algorithm)
     for rows in (0, 1, 1001, dev.big // 3):
         mine = rows + comm.rank % 2
         x = dev.put(crafted(comm.rank, mine * 3, dtype, mt.Sum)).reshape(mine, 3)
@@ -166,8 +186,8 @@ def test_allgather_and_broadcast(comm: mt.Communicator, dev: Arrays, algorithm: 
                                for r in range(comm.size)]).reshape(-1, 3)
         assert_equal_all_ranks(comm, dev.get(comm.allgather(x, algorithm=algorithm)), want,
                                f"allgather {algorithm} rows={rows}")
-    if algorithm == "ring":
-        return  # broadcast has MPI's algorithm only
+    if algorithm not in ALGORITHMS_OF["broadcast"] and algorithm != "auto":
+        return  # broadcast has MPI's, shm and nccl
     root = comm.size - 1
     for count in (1, dev.big):
         b = dev.put(crafted(comm.rank, count, dtype, mt.Sum))

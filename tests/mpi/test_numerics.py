@@ -24,13 +24,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Checks, crafted, dtype_params, layouts, with_nodes
+from helpers import Checks, crafted, dtype_params, host_algorithms, layouts, with_nodes
 
 import mpitrain as mt
-from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
 # Every algorithm by name ("auto" picks one of them: shm on one node).
-REDUCING = [(c, a) for c in ("allreduce", "reduce_scatter") for a in REGISTERED[c]]
+REDUCING = [(c, a) for c in ("allreduce", "reduce_scatter") for a in host_algorithms(c)]
 ROUNDING = ["float16", "bfloat16", "float32", "float64", "complex64"]
 SPECIAL = ["float16", "bfloat16", "float32", "float64"]
 INTEGERS = ["int8", "uint8", "int16", "uint16", "int32", "uint64"]

@@ -13,13 +13,13 @@ from helpers import (
     check_reduce_scatter,
     crafted,
     dtype_op_cases,
+    host_algorithms,
     reference,
 )
 
 import mpitrain as mt
-from mpitrain.algorithms import ALGORITHMS as REGISTERED
 
-ALGORITHMS = ["auto", *REGISTERED["reduce_scatter"]]
+ALGORITHMS = ["auto", *host_algorithms("reduce_scatter")]
 
 
 @pytest.mark.mpi(min_size=1)

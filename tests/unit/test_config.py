@@ -94,7 +94,8 @@ def test_settings_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
               "shm": ("off", False), "single_copy": ("0", False),
               "fusion_threshold": ("1M", 1 << 20), "cycle_time_ms": ("2.5", 2.5),
               "inter_segment_bytes": ("0", 0), "cross_ranks": ("0", 0),
-              "cuda_aware": ("1", True), "staging_slots": ("7", 7),
+              "cuda_aware": ("1", True), "device_links": ("IPC", "ipc"),
+              "staging_slots": ("7", 7),
               "stall_warning_s": ("off", 0.0), "stall_timeout_s": ("3", 3.0),
               "stall_action": ("abort", "abort"), "elastic": ("1", True)}
     assert set(values) == set(config.SETTING_OF)
