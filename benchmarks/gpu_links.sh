@@ -9,6 +9,7 @@
 # 3. benchmarks at 2 ranks: allreduce (float32 and bfloat16), reduce_scatter and
 #    allgather, 1 MiB .. 256 MiB, ipc against the staged ring and MPI's own collective
 #    on pinned copies, every result checked; allreduce at 4 ranks (busbw).
+# NCCL_RANKS (default "2 3") lists the rank counts of the NCCL tests ("" for none).
 # Each step has its own time limit ($STEP_S, and what is left of $DEADLINE s for the
 # whole script: a step that would start later is skipped and reported); tables and logs
 # go to $OUT.
@@ -21,6 +22,7 @@ STEP_S=${STEP_S:-120}
 DEADLINE=${DEADLINE:-540}
 begun=$(date +%s)
 ITERS=${ITERS:-10}
+NCCL_RANKS=${NCCL_RANKS:-2 3}  # "": no NCCL tests
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 MPI="$MPIRUN -x PYTHONPATH --oversubscribe --bind-to none"
@@ -75,7 +77,7 @@ for n in 3; do
   step "ipc-tests-np$n" $MPI -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
     $PYTEST -k "not fake and (ipc or auto)" tests/mpi/test_gpu.py
 done
-for n in 2 3; do
+for n in $NCCL_RANKS; do
   step "nccl-tests-np$n" $MPI -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh -c \
     'NCCL_HOSTID=h$OMPI_COMM_WORLD_RANK exec sh tests/mpi_rank.sh "$@"' sh \
     $PYTEST -k "not fake and nccl and (float32 or bfloat16 or int8 or float64 or int16)" \

@@ -83,9 +83,9 @@ class PlanRequest:
         cross_ranks: how many ranks of each node exchange across nodes in a
             hierarchical allreduce (``MPITRAIN_CROSS_RANKS``; 0: every local rank).
         links: the communicator's device-to-device links (device-only algorithms).
-        fallback: builds the plan of another algorithm of this collective for the same
-            call through the communicator's transfer policy (a device-only algorithm
-            runs it where its link cannot carry a call).
+        fallback: builds the plan that runs this call where a device-only algorithm's
+            link cannot carry it: what ``auto`` would choose without the device links,
+            through the communicator's transfer policy.
     """
 
     transport: PeerTransport
@@ -102,7 +102,7 @@ class PlanRequest:
     inter_segment_bytes: int = 60 << 10
     cross_ranks: int = 1
     links: DeviceLinks | None = None
-    fallback: Callable[[str], Plan] | None = None
+    fallback: Callable[[], Plan] | None = None
 
     @property
     def count(self) -> int:

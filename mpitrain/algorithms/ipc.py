@@ -9,13 +9,21 @@ crosses device memory once and never the host. Each call:
    memory and meets the others at one barrier (the validation exchange, where the
    algorithm validates; an allgather's exchange has run before, so it adds one);
 2. if some rank's buffer cannot be mapped (memory of a stream-ordered pool), every
-   rank runs the fallback algorithm of the transfer policy instead;
-3. reduce_scatter: rank ``r`` reduces chunk ``r`` of every rank's ``src`` into
-   ``out`` with the reduction kernels, reading the peers' chunks where they are
+   rank runs the fallback instead (what ``auto`` would choose without the device
+   links, through the transfer policy);
+3. where the ranks have devices of their own (peers with P2P access), each works on
+   its part: reduce_scatter: rank ``r`` reduces chunk ``r`` of every rank's ``src``
+   into ``out`` with the reduction kernels, reading the peers' chunks where they are
    (its own ``src`` first, then ``r+1, r+2, ...``); allreduce: the same into
    ``out[chunk r]``, scaled by ``postscale`` there, a barrier, then every rank copies
-   chunk ``q`` of rank ``q``'s ``out`` for every ``q != r``; allgather: every block
-   copied from its owner's input into each output.
+   chunk ``q`` of rank ``q``'s ``out`` for every ``q != r``; allgather: every rank
+   copies every block from its owner's input into its output;
+4. where every rank is on one device, rank 0 does the whole call's device work:
+   it reduces every chunk into its owner's output (allreduce: the whole buffer into its
+   own, then copies it into the others'), or copies every block into every output.
+   The device is not faster for being driven from several processes (their contexts
+   take turns on it), and one process's work needs no switch between contexts and one
+   barrier fewer.
 
 Device work is ordered with the host barriers: before each barrier a rank
 synchronizes its stream, so what the barrier publishes is done and what a rank reads
@@ -40,8 +48,6 @@ from ..errors import MpitrainError
 from .base import Plan, PlanRequest
 from .chunks import Bounds
 
-FALLBACK = "ring"
-"""What runs a call whose buffers some rank cannot share."""
 SRC, OUT = 0, 1
 
 
@@ -67,6 +73,9 @@ class _IpcPlan(Plan):
         self.dt = req.dtype
         self.chunks: tuple[Bounds, ...] = req.chunks
         self.peers = [(self.rank + k) % self.n for k in range(1, self.n)]
+        layout = req.links.layout(req.backend)
+        self.one_device = layout is not None and len(set(layout.devices)) == 1
+        self.leads = self.one_device and self.rank == 0
         self._make_fallback = req.fallback
         self._fallback: Plan | None = None
 
@@ -74,7 +83,7 @@ class _IpcPlan(Plan):
         """Run the call with the fallback algorithm (validation done)."""
         if self._fallback is None:
             assert self._make_fallback is not None
-            self._fallback = self._make_fallback(FALLBACK)
+            self._fallback = self._make_fallback()
         self._fallback.run(src, out, None, postscale)
         if not self._fallback.fuses_postscale:
             self.backend.scale(out, postscale)
@@ -89,7 +98,9 @@ class _IpcPlan(Plan):
             self.backend.synchronize()
         except Exception as exc:  # the others wait at the barrier: come, then raise
             failure = exc
-        if not self.shm.agree(0 if failure is None else 1):
+        # a failed rank publishes its own nonzero word: the ranks never all agree then
+        agreed = self.shm.agree(0 if failure is None else self.rank + 1)
+        if failure is not None or not agreed:
             raise MpitrainError(
                 f"rank {self.rank}: the ipc {self.collective} failed in {what} on "
                 f"{'this rank: ' + repr(failure) if failure else 'another rank'}; set "
@@ -100,9 +111,18 @@ class _IpcPlan(Plan):
         lo, hi = bounds
         return self.ipc.array(parity, q, index, lo, hi - lo, self.dt)
 
+    def publish(self, buffers: tuple[Any, ...], sig: Signature | None) -> int | None:
+        """Publish the records of ``buffers`` and meet the others at the validation
+        exchange (after this rank's device work on them); their parity, or None if some
+        rank's cannot be mapped (then run the fallback)."""
+        parity = self.ipc.publish(buffers)
+        self.backend.synchronize()
+        self.validator.exchange(sig)
+        return parity if self.ipc.ready(parity, len(buffers)) else None
+
 
 class _Reducing(_IpcPlan):
-    """Reduce chunk ``rank`` of every rank's ``src`` into an output."""
+    """Reductions of chunks of every rank's ``src``."""
 
     fuses_check = True
     fuses_postscale = True
@@ -110,15 +130,14 @@ class _Reducing(_IpcPlan):
     def __init__(self, req: PlanRequest) -> None:
         super().__init__(req)
         self.op = req.reduction
+        self.count = req.count
 
-    def reduce_mine(self, parity: int, src: Any, dst: Any, postscale: float) -> None:
-        """``dst`` = chunk ``rank`` reduced over every rank's ``src``, times ``postscale``."""
-        bounds = self.chunks[self.rank]
+    def reduce_chunk(self, parity: int, src: Any, dst: Any, bounds: Bounds,
+                     postscale: float) -> None:
+        """``dst`` = elements ``bounds`` reduced over every rank's ``src`` (this rank's
+        first, then its peers' in turn), times ``postscale``."""
         lo, hi = bounds
         if hi == lo:
-            return
-        if not self.peers:
-            self.backend.scale_into(dst, src[lo:hi], postscale)
             return
         first, last = src[lo:hi], self.peers[-1]
         for q in self.peers:
@@ -136,34 +155,45 @@ class IpcReduceScatter(_Reducing):
     def run(self, src: Any, out: Any, sig: Signature | None = None,
             postscale: float = 1.0) -> None:
         """``out`` = this rank's chunk of the reduction, times ``postscale``."""
-        parity = self.ipc.publish((src,))
-        self.backend.synchronize()
-        self.validator.exchange(sig)
-        if not self.ipc.ready(parity, 1):
+        parity = self.publish((src, out), sig)
+        if parity is None:
             self.fallback(src, out, postscale)
             return
-        with self.phase("its reduction"):  # after it nobody reads this rank's src
-            self.reduce_mine(parity, src, out, postscale)
+        with self.phase("the reduction"):  # after it nobody reads this rank's buffers
+            if self.leads:
+                for q, (lo, hi) in enumerate(self.chunks):
+                    if hi > lo:
+                        dst = out if q == self.rank else self.peer(parity, q, OUT, (0, hi - lo))
+                        self.reduce_chunk(parity, src, dst, (lo, hi), postscale)
+            elif not self.one_device:
+                self.reduce_chunk(parity, src, out, self.chunks[self.rank], postscale)
 
 
 class IpcAllreduce(_Reducing):
     """Allreduce: each rank reduces its chunk from the peers' buffers, then copies the
-    others' reduced chunks from their outputs."""
+    others' reduced chunks from their outputs (on one device: rank 0 reduces the whole
+    buffer, then copies it into the others' outputs)."""
 
     collective = "allreduce"
 
     def run(self, src: Any, out: Any, sig: Signature | None = None,
             postscale: float = 1.0) -> None:
         """``out = reduce(src over ranks) * postscale``; ``src`` may be ``out``."""
-        parity = self.ipc.publish((src, out))
-        self.backend.synchronize()
-        self.validator.exchange(sig)
-        if not self.ipc.ready(parity, 2):
+        parity = self.publish((src, out), sig)
+        if parity is None:
             self.fallback(src, out, postscale)
+            return
+        if self.one_device:
+            with self.phase("the reduction"):  # after it nobody reads this rank's buffers
+                if self.leads and self.count:
+                    whole = (0, self.count)
+                    self.reduce_chunk(parity, src, out, whole, postscale)
+                    for q in self.peers:
+                        self.backend.copy_into(self.peer(parity, q, OUT, whole), out)
             return
         lo, hi = self.chunks[self.rank]
         with self.phase("its reduction"):  # after it every chunk is reduced, src read
-            self.reduce_mine(parity, src, out[lo:hi], postscale)
+            self.reduce_chunk(parity, src, out[lo:hi], (lo, hi), postscale)
         with self.phase("its copies"):  # after it nobody reads this rank's out
             for q in self.peers:
                 qlo, qhi = self.chunks[q]
@@ -173,7 +203,7 @@ class IpcAllreduce(_Reducing):
 
 
 class IpcAllgather(_IpcPlan):
-    """Allgather: every block copied once, from its owner's input into each output."""
+    """Allgather: every block copied once from its owner's input into each output."""
 
     collective = "allgather"
 
@@ -181,18 +211,25 @@ class IpcAllgather(_IpcPlan):
             postscale: float = 1.0) -> None:
         """``out`` = every rank's block (the row-count exchange has run: one more
         barrier publishes the blocks' records)."""
-        parity = self.ipc.publish((block,))
-        with self.phase("publishing its block"):
+        parity = self.ipc.publish((block, out))
+        with self.phase("publishing its buffers"):
             pass
-        if not self.ipc.ready(parity, 1):
+        if not self.ipc.ready(parity, 2):
             self.fallback(block, out, 1.0)
             return
-        lo, hi = self.chunks[self.rank]
-        if hi > lo:
-            self.backend.copy_into(out[lo:hi], block)
-        with self.phase("its copies"):  # after it nobody reads this rank's block
-            for q in self.peers:
-                qlo, qhi = self.chunks[q]
-                if qhi > qlo:
-                    self.backend.copy_into(out[qlo:qhi], self.ipc.array(parity, q, SRC, 0,
-                                                                        qhi - qlo, self.dt))
+        with self.phase("the copies"):  # after it nobody reads this rank's buffers
+            if self.leads:
+                for q, (lo, hi) in enumerate(self.chunks):
+                    if hi == lo:
+                        continue
+                    theirs = block if q == self.rank else self.peer(parity, q, SRC,
+                                                                    (0, hi - lo))
+                    self.backend.copy_into(out[lo:hi], theirs)
+                    for r in self.peers:
+                        self.backend.copy_into(self.peer(parity, r, OUT, (lo, hi)), theirs)
+            elif not self.one_device:
+                for q, (lo, hi) in enumerate(self.chunks):
+                    if hi > lo:
+                        theirs = block if q == self.rank else self.peer(parity, q, SRC,
+                                                                        (0, hi - lo))
+                        self.backend.copy_into(out[lo:hi], theirs)

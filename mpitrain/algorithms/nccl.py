@@ -6,7 +6,8 @@ call queues NCCL's kernel on the current stream (the collective's ``stream=``), 
 the dispatcher synchronizes before it returns, as for every device call. The
 dispatcher validates the call first and scales the result after (``Average`` is a sum
 and a scaling); the reductions NCCL has not (int16, complex, bool, ...) run the
-fallback algorithm of the transfer policy instead, on every rank alike.
+fallback instead (what ``auto`` would choose without the device links, through the
+transfer policy), on every rank alike.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from ..comm.nccl import NcclLink, pointer, reduces, stream_handle
 from ..comm.validation import Signature
 from .base import Plan, PlanRequest
 
-FALLBACK = "ring"
-"""What runs a call that NCCL cannot reduce."""
 _BYTES = np.dtype(np.uint8)
 
 
@@ -41,7 +40,7 @@ class _NcclPlan(Plan):
         self.fallback: Plan | None = None
         if req.op is not None and not reduces(req.dtype, req.reduction):
             assert req.fallback is not None
-            self.fallback = req.fallback(FALLBACK)
+            self.fallback = req.fallback()
 
     def stream(self) -> Any:
         """The stream NCCL queues on: the current one."""

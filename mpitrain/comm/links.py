@@ -110,7 +110,7 @@ class DeviceLinks:
         self.transport.begin(collective)
         device = backend.device()
         identity = str(getattr(device, "identity", f"{backend.name}:{backend.device_id()}"))
-        mine = (identity, hasattr(device, "export"), nccl_version() is not None,
+        mine = (identity, hasattr(device, "export"), nccl_version(),
                 os.environ.get("NCCL_HOSTID", ""))
         every = objects.allgather_object(self.transport, mine)
         devices = tuple(e[0] for e in every)
@@ -125,7 +125,8 @@ class DeviceLinks:
         elif self.allowed in ("auto", "ipc"):
             why.append("ipc: " + ("ranks on several nodes or shared memory off"
                                   if self.shm is None else "the device cannot export memory"))
-        nccl = self.allowed in ("auto", "nccl") and all(e[2] for e in every)
+        versions = {e[2] for e in every}  # one NCCL on every rank: the same dtypes reduce
+        nccl = self.allowed in ("auto", "nccl") and None not in versions and len(versions) == 1
         if nccl and shared:
             sharing = [e for e in every if devices.count(e[0]) > 1]
             hostids = [e[3] for e in sharing]
@@ -134,7 +135,8 @@ class DeviceLinks:
                 why.append("nccl: ranks share a device (NCCL runs them only with a "
                            "different NCCL_HOSTID per rank)")
         elif not nccl and self.allowed in ("auto", "nccl"):
-            why.append("nccl: cupy.cuda.nccl missing on some rank")
+            why.append("nccl: cupy.cuda.nccl missing on some rank" if None in versions else
+                       f"nccl: the ranks have different NCCL versions {sorted(versions)}")
         if self.allowed != "auto":
             why.append(f"MPITRAIN_DEVICE_LINKS={self.allowed}")
         layout = Layout(devices, ipc, nccl, shared, "; ".join(why))

@@ -60,7 +60,7 @@ from ..errors import ArgumentError, MismatchError, MpitrainError
 from ..ops import ReduceOp, parse_op
 from .checks import Call, Checks
 from .fastpath import SmallAllgather, SmallAllreduce, SmallCall, SmallReduceScatter, fits_out
-from .policy import HOST, device_policy
+from .policy import HOST, TransferPolicy, device_policy
 from .selection import Table
 
 Array = Any
@@ -772,6 +772,18 @@ class Dispatcher:
         if not plan.fuses_postscale:
             be.scale(out, postscale)
 
+    def _fallback_plan(self, policy: TransferPolicy, collective: str,
+                       request: PlanRequest) -> Plan:
+        """The plan of what ``auto`` chooses for ``request`` among the algorithms that
+        are not device-only (where a device link cannot carry a call)."""
+        be, dt = request.backend, request.dtype
+        plans = algorithms.REGISTRY[collective]
+        choices = tuple(a for a in self._available_for(collective, be)[1]
+                        if not plans[a].device_only)
+        name = self.table.select(collective, request.count * dt.itemsize, self.size, be.name,
+                                 choices, dtype_name(dt), self.topology.node_count)
+        return policy.build(collective, name, request)
+
     def plan(self, collective: str, name: str, be: ArrayBackend, dt: np.dtype[Any],
              op: ReduceOp | None, shape: tuple[int, ...], root: int = 0) -> Plan:
         """The cached plan of ``name`` for this call's shape, built on first use."""
@@ -790,7 +802,7 @@ class Dispatcher:
                                   settings.cross_ranks)
             plans = algorithms.REGISTRY[collective]
             if name in plans and plans[name].device_only:
-                fallback = functools.partial(policy.build, collective, request=request)
+                fallback = functools.partial(self._fallback_plan, policy, collective, request)
                 plan = algorithms.build(collective, name, replace(request, links=self.links,
                                                                   fallback=fallback))
             else:

@@ -3,13 +3,16 @@
 The fake's memory is host shared memory that the other ranks map as CUDA IPC maps a
 GPU's: handles name an allocation (arrays are carved out of larger ones), a process
 cannot open its own, a freed allocation's address goes to the next one with a new
-handle. Its streams run work late and in random orders, so a rank that publishes a
+identity. Its streams run work late and in random orders, so a rank that publishes a
 buffer before its stream has written it, or reads a peer's before the peer's stream
-has, gets poison bytes.
+has, gets poison bytes. Each test runs in both modes of the algorithms: every rank on
+"one device" (rank 0 does the device work) and each rank on "own devices" (each its
+part), the fake device's identity set per rank before a new communicator's first call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any, Iterator
 
@@ -35,6 +38,9 @@ def seed(comm: mt.Communicator, *salt: object) -> int:
     return comm.rank * 7919 + sum(ord(c) for c in "".join(map(str, salt)))
 
 
+MODES = ["one device", "own devices"]
+
+
 @pytest.fixture
 def ipc_comm(comm: mt.Communicator) -> Iterator[mt.Communicator]:
     """A new communicator (a fresh device layout and fresh mappings) over every rank."""
@@ -45,6 +51,28 @@ def ipc_comm(comm: mt.Communicator) -> Iterator[mt.Communicator]:
         c.free()
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Every rank on one device, or each on its own."""
+    return str(request.param)
+
+
+@contextlib.contextmanager
+def devices(c: mt.Communicator, mode: str, *salt: object) -> Iterator[FakeBackend]:
+    """A fake backend whose device is shared by every rank or each rank's own (set
+    before ``c``'s first device call, which finds the layout)."""
+    with fake_backend(seed(c, mode, *salt)) as be:
+        if mode == "own devices":
+            be.fake.identity = f"fake-gpu:{c.rank}"
+        yield be
+
+
+def maps(c: mt.Communicator, mode: str) -> bool:
+    """True if this rank maps its peers' buffers in ``mode`` (on one device only rank 0,
+    which does the device work)."""
+    return mode == "own devices" or c.rank == 0
+
+
 def mappings(backend: FakeBackend) -> tuple[int, int]:
     """Handles the fake device has opened and closed so far."""
     return backend.fake.opened, backend.fake.closed
@@ -52,8 +80,9 @@ def mappings(backend: FakeBackend) -> tuple[int, int]:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d}-{o.value}" for d, o in CASES])
-def test_allreduce(comm: mt.Communicator, dtype: str, op: mt.ReduceOp) -> None:
-    with fake_backend(seed(comm, "ar", dtype, op)):
+def test_allreduce(ipc_comm: mt.Communicator, mode: str, dtype: str, op: mt.ReduceOp) -> None:
+    comm = ipc_comm
+    with devices(comm, mode, "ar", dtype, op):
         for count in sorted({0, 1, max(comm.size - 1, 0), 1001, 4099}):
             expected = reference(comm.size, count, dtype, op)
             x = to_device(crafted(comm.rank, count, dtype, op))
@@ -67,9 +96,10 @@ def test_allreduce(comm: mt.Communicator, dtype: str, op: mt.ReduceOp) -> None:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "complex128"])
-def test_scaled_allreduce(comm: mt.Communicator, dtype: str) -> None:
+def test_scaled_allreduce(ipc_comm: mt.Communicator, mode: str, dtype: str) -> None:
     """prescale and postscale (fused into the last reduction) and Average."""
-    with fake_backend(seed(comm, "scaled", dtype)):
+    comm = ipc_comm
+    with devices(comm, mode, "scaled", dtype):
         x = to_device(crafted(comm.rank, 999, dtype, mt.Sum))
         y = comm.allreduce(x, op=mt.Sum, algorithm="ipc", prescale_factor=2.0,
                            postscale_factor=0.5)
@@ -83,8 +113,10 @@ def test_scaled_allreduce(comm: mt.Communicator, dtype: str) -> None:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [("float32", mt.Sum), ("bfloat16", mt.Max),
                                       ("int16", mt.Product), ("float64", mt.Average)])
-def test_reduce_scatter(comm: mt.Communicator, dtype: str, op: mt.ReduceOp) -> None:
-    with fake_backend(seed(comm, "rs", dtype, op)):
+def test_reduce_scatter(ipc_comm: mt.Communicator, mode: str, dtype: str,
+                        op: mt.ReduceOp) -> None:
+    comm = ipc_comm
+    with devices(comm, mode, "rs", dtype, op):
         for rows in sorted({0, 1, comm.size, 2 * comm.size + 1, 840}):
             x = to_device(crafted(comm.rank, rows * 3, dtype, op).reshape(rows, 3))
             y = comm.reduce_scatter(x, op=op, algorithm="ipc")
@@ -95,9 +127,10 @@ def test_reduce_scatter(comm: mt.Communicator, dtype: str, op: mt.ReduceOp) -> N
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "complex128"])
-def test_allgather(comm: mt.Communicator, dtype: str) -> None:
+def test_allgather(ipc_comm: mt.Communicator, mode: str, dtype: str) -> None:
     """Uneven blocks, some empty."""
-    with fake_backend(seed(comm, "ag", dtype)):
+    comm = ipc_comm
+    with devices(comm, mode, "ag", dtype):
         for base in (0, 1, 3, 700):
             def block(r: int, base: int = base) -> np.ndarray[Any, Any]:
                 return crafted(r, max(base - r, 0) * 2, dtype, mt.Sum).reshape(-1, 2)
@@ -109,11 +142,11 @@ def test_allgather(comm: mt.Communicator, dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_auto_takes_ipc_on_one_node(ipc_comm: mt.Communicator) -> None:
+def test_auto_takes_ipc_on_one_node(ipc_comm: mt.Communicator, mode: str) -> None:
     """On one node, with buffers the device can share, ``auto`` runs ``ipc`` for the
     three collectives (and maps each peer buffer once)."""
     c = ipc_comm
-    with fake_backend(seed(c, "auto")) as be:
+    with devices(c, mode, "auto") as be:
         x = to_device(crafted(c.rank, 5000, "float32", mt.Sum))
         before = mappings(be)
         c.allreduce(x)
@@ -124,14 +157,15 @@ def test_auto_takes_ipc_on_one_node(ipc_comm: mt.Communicator) -> None:
             assert d.algorithm(collective, None, 20000, be, np.dtype("float32")) == "ipc"
         # src and out of every peer mapped once (they share one fake allocation: once)
         opened = mappings(be)[0] - before[0]
-        assert 1 <= opened <= 2 * (c.size - 1), opened
+        assert_all_ranks(c, (c.size - 1 <= opened <= 2 * (c.size - 1)) if maps(c, mode)
+                         else opened == 0, f"{opened} handles mapped in mode {mode}")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_mappings_are_cached(ipc_comm: mt.Communicator) -> None:
+def test_mappings_are_cached(ipc_comm: mt.Communicator, mode: str) -> None:
     """Calls on the same buffers map nothing new: a peer's allocation is opened once."""
     c = ipc_comm
-    with fake_backend(seed(c, "cache")) as be:
+    with devices(c, mode, "cache") as be:
         x = to_device(crafted(c.rank, 3000, "float32", mt.Sum))
         out = be.empty(3000, np.float32)
         c.allreduce(x, out=out, algorithm="ipc")
@@ -140,40 +174,43 @@ def test_mappings_are_cached(ipc_comm: mt.Communicator) -> None:
             c.allreduce(x, out=out, algorithm="ipc")
             assert_equal_all_ranks(c, host(out), reference(c.size, 3000, "float32", mt.Sum),
                                    "repeated ipc allreduce")
-        assert mappings(be) == first, (first, mappings(be))
+        assert_all_ranks(c, mappings(be) == first, f"{first} then {mappings(be)}")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_reused_address_gets_a_new_mapping(ipc_comm: mt.Communicator) -> None:
+def test_a_reused_address_gets_a_new_mapping(ipc_comm: mt.Communicator, mode: str) -> None:
     """A peer frees an allocation and gets a new one at the same address: its new handle
     is mapped and the old mapping, which still shows the freed memory, is closed. (A
     cache keyed by address alone would read the old bytes.)"""
     c = ipc_comm
     big = 300_000  # its own fake allocation (above a quarter of ALLOCATION_BYTES)
-    with fake_backend(seed(c, "reuse")) as be:
+    bases: set[int] = set()
+    with devices(c, mode, "reuse") as be:
         for step in range(3):
             x = to_device(crafted(c.rank + step, big, "float32", mt.Sum))
             c.allreduce_(x, algorithm="ipc")
             expected = sum(crafted(r + step, big, "float32", mt.Sum) for r in range(c.size))
             assert_equal_all_ranks(c, host(x), expected, f"ipc allreduce_ step {step}")
-            bases = {be.fake.export(x).base}
+            bases.add(be.fake.export(x).base)
             del x
             gc.collect()  # the allocation goes: its address is the next one's
             c.barrier()
         assert len(bases) == 1
         opened, closed = mappings(be)
-        assert opened == 3 * (c.size - 1) and closed == 2 * (c.size - 1), (opened, closed)
+        peers = c.size - 1 if maps(c, mode) else 0
+        assert_all_ranks(c, (opened, closed) == (3 * peers, 2 * peers),
+                         f"opened {opened}, closed {closed} in mode {mode}")
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("private", ["one rank", "every rank"])
-def test_memory_that_cannot_be_shared_falls_back(ipc_comm: mt.Communicator,
+def test_memory_that_cannot_be_shared_falls_back(ipc_comm: mt.Communicator, mode: str,
                                                   private: str) -> None:
     """Buffers outside the device's shareable memory (a stream-ordered pool's, another
     library's) on some rank: every rank runs the fallback algorithm instead, and the
     results are right."""
     c = ipc_comm
-    with fake_backend(seed(c, "private", private)) as be:
+    with devices(c, mode, "private", private) as be:
         values = crafted(c.rank, 2001, "float32", mt.Sum)
         unshared = private == "every rank" or c.rank == c.size - 1
         x = np.array(values).view(FakeDeviceArray) if unshared else to_device(values)
@@ -215,3 +252,30 @@ def test_a_process_cannot_open_its_own_handle() -> None:
         assert export is not None and export.offset == 12
         with pytest.raises(RuntimeError, match="its own"):
             be.fake.open(export.handle)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("failing", ["one rank", "every rank"])
+def test_a_rank_that_cannot_map_makes_every_rank_raise(ipc_comm: mt.Communicator, mode: str,
+                                                       failing: str) -> None:
+    """A rank whose mapping fails still meets the others at the barrier: every rank
+    raises MpitrainError naming the collective (none hangs), and the communicator goes
+    on working."""
+    c = ipc_comm
+    with devices(c, mode, "fail", failing) as be:
+        x = to_device(crafted(c.rank, 1000, "float32", mt.Sum))
+        first_mapper = 0
+        fails = maps(c, mode) and (failing == "every rank" or c.rank == first_mapper)
+
+        def refuse(handle: bytes) -> Any:
+            raise RuntimeError("fake cudaIpcOpenMemHandle: out of resources")
+
+        if fails:
+            be.fake.open = refuse  # type: ignore[method-assign]
+        with pytest.raises(mt.MpitrainError, match="the ipc allreduce failed"):
+            c.allreduce(x, algorithm="ipc")
+        if fails:
+            del be.fake.open  # the class's own again
+        y = c.allreduce(x, algorithm="ipc")
+        assert_equal_all_ranks(c, host(y), reference(c.size, 1000, "float32", mt.Sum),
+                               "an ipc allreduce after a failed one")
