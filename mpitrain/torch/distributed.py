@@ -184,6 +184,18 @@ def _store(t: torch.Tensor, data: np.ndarray[Any, Any]) -> None:
         t.copy_(source)
 
 
+def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], mine_is: str,
+                  lists: list[list[torch.Tensor]], lists_are: str) -> None:
+    """The argument checks of gather and scatter: a valid root, one tensor of this rank,
+    and at the root one list of a tensor per rank."""
+    comm.dispatcher.checks.root(root)
+    if len(mine) != 1:
+        raise ArgumentError(f"rank {comm.rank}: {what} takes one {mine_is} tensor")
+    if comm.rank == root and (len(lists) != 1 or len(lists[0]) != comm.size):
+        raise ArgumentError(f"rank {comm.rank}: {what}'s root needs a list of {comm.size} "
+                            f"{lists_are} tensors")
+
+
 # -- work ---------------------------------------------------------------------------------
 class Work(dist.Work):
     """A collective in flight: ``wait()`` (raises the operation's error),
@@ -536,13 +548,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         comm = self.comm
 
         def prepare() -> tuple[Any, Any]:
-            comm.dispatcher.checks.root(root)
-            if len(inputs) != 1:
-                raise ArgumentError(f"rank {comm.rank}: gather takes one input tensor")
-            if comm.rank == root and (len(output_lists) != 1 or
-                                      len(output_lists[0]) != comm.size):
-                raise ArgumentError(f"rank {comm.rank}: gather's root needs a list of "
-                                    f"{comm.size} output tensors")
+            _check_rooted(comm, root, "gather", inputs, "input", output_lists, "output")
             data = _bytes(inputs[0])
             return data, (str(inputs[0].dtype), data.size)
 
@@ -567,15 +573,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         comm = self.comm
 
         def prepare() -> tuple[Any, Any]:
-            comm.dispatcher.checks.root(root)
-            if len(outputs) != 1:
-                raise ArgumentError(f"rank {comm.rank}: scatter takes one output tensor")
-            pieces = None
-            if comm.rank == root:
-                if len(input_lists) != 1 or len(input_lists[0]) != comm.size:
-                    raise ArgumentError(f"rank {comm.rank}: scatter's root needs a list of "
-                                        f"{comm.size} input tensors")
-                pieces = [_bytes(t) for t in input_lists[0]]
+            _check_rooted(comm, root, "scatter", outputs, "output", input_lists, "input")
+            pieces = [_bytes(t) for t in input_lists[0]] if comm.rank == root else None
             sizes = None if pieces is None else [p.size for p in pieces]
             nbytes = outputs[0].numel() * outputs[0].element_size()
             return pieces, (str(outputs[0].dtype), nbytes, sizes)
