@@ -280,6 +280,29 @@ def test_disagreeing_ranks_raise_on_every_rank() -> None:
     check(torch.equal(t, torch.full((3,), float(n))), "usable after")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_root_without_a_tensor_per_rank_fails_every_rank() -> None:
+    """gather's root with too few outputs, scatter's with too few inputs: every rank
+    raises (the root names the count it needs), and the group goes on working."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    root = n - 1
+    calls = {"gather": lambda: dist.gather(torch.ones(2), [torch.ones(2)] * (n - 1)
+                                           if r == root else None, dst=root),
+             "scatter": lambda: dist.scatter(torch.ones(2), [torch.ones(2)] * (n - 1)
+                                             if r == root else None, src=root)}
+    for what, call in calls.items():
+        try:
+            call()
+            problem = f"{what}: no error"
+        except (RuntimeError, ValueError) as exc:
+            problem = "" if r != root or f"a list of {n}" in str(exc) else \
+                f"{what}: the root's error does not say what it needs: {exc}"
+        check(not problem, problem)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+
+
 # -- training -----------------------------------------------------------------------------
 BATCH, STEPS = 4, 3
 
