@@ -1,35 +1,34 @@
 """Durable, pickle-free training checkpoints, in a format other tools read.
 
-A checkpoint is one safetensors file (``ckpt-000000042.safetensors``): every array of
-the saved state is a tensor named after its place in the state (``model.layer1.weight``,
-``optimizer.state.0.momentum``; docs/checkpoint-format.md), and the rest of the state
-(dicts, lists, tuples, numbers, strings; the layout) is JSON stored in the header's
-``__metadata__`` under ``mpitrain``. The metadata's first entry, ``mpitrain.crc32``,
-is a CRC-32 of every byte of the file but its own 8 hex digits, so that any change to
-the file after it was written is detected. Arrays of a dtype safetensors lacks
-(complex128, strings, dates) are stored as their bytes (``U8``), their dtype and shape
-in the JSON. Checkpoints of the earlier format, ``.npz`` archives with the JSON in an
-entry ``__meta__`` and a CRC-32 in the zip comment (or none, in the oldest), still load.
+A checkpoint is one safetensors file, ``DIR/ckpt-000000042.safetensors`` for step 42,
+written and parsed by the ``safetensors`` library. What mpitrain adds on top:
 
-Reading trusts nothing in the file: sizes declared in the file (the safetensors header
-length, tensor offsets and shapes; the zip directory and ``.npy`` headers of ``.npz``
-files) are checked against the file's actual size before anything is allocated (no
-array buffer is larger than the file accounts for), the nesting of headers and of the
-JSON is bounded before they are parsed, and nothing is unpickled (a file holding an
-object array is refused), so a damaged or foreign file raises
-:class:`DamagedCheckpointError` naming the file and what is wrong, never another
-exception. :func:`load_latest`, used to resume, skips damaged checkpoints with a
-warning and takes the newest intact one.
+* **The state's layout.** Every array of the state is a tensor named after its place
+  in it (``model.layer1.weight``, ``optimizer.state.0.momentum``); the rest (dicts,
+  lists, tuples, numbers, strings) is JSON in the header's ``__metadata__`` under
+  ``mpitrain`` (:class:`_Encoder`, :class:`_Decoder`; docs/checkpoint-format.md).
+  Arrays of a dtype safetensors lacks (complex128, strings, dates) are stored as their
+  bytes (``U8``), their dtype and shape in the JSON.
+* **A checksum**, ``__metadata__["mpitrain.crc32"]``: the CRC-32 of every byte of the
+  file but its own 8 hex digits, so that any change after the write is detected.
+* **Atomic, durable writes.** Rank 0 writes a temporary file in the target directory,
+  ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the directory:
+  a crash leaves the old or the new checkpoint, never a torn one. Temporary files of
+  killed writers are removed when a directory is opened for saving or resuming. The
+  other ranks wait for rank 0 and raise its error if it failed.
+* **Per-rank state** (each rank's random generators), gathered to rank 0 and stored
+  per rank, so a run resumed with the same rank count continues bit-identically.
+* **Resuming** (:func:`load_latest`) from the newest intact checkpoint, skipping
+  damaged ones with a warning; checkpoints of the earlier ``.npz`` format still load.
 
-Writing is atomic and durable: rank 0 writes a temporary file in the target
-directory, ``fsync``\\ s it, renames it over the final name and ``fsync``\\ s the
-directory, so a crash leaves either the old or the new checkpoint, never a torn
-one. Temporary files left by a killed writer are removed when a directory is opened
-for saving or resuming. The other ranks wait for rank 0 and raise its error if it
-failed.
+Reading trusts nothing in the file: the library checks the safetensors structure
+(header length, header JSON, every tensor's dtype, shape and offsets against the
+file's size) before it allocates anything, then mpitrain checks the checksum and its
+JSON (nesting bounded before parsing, every reference checked); nothing is unpickled.
+A damaged or foreign file raises :class:`DamagedCheckpointError` naming the file and
+the problem. A file is read whole, so a load needs about twice its size of memory.
 
-Per-rank state (each rank's random generators) is gathered to rank 0 and stored per
-rank, so a run resumed with the same rank count continues bit-identically::
+::
 
     ckpt = checkpoint.save(dir, {"params": ..., "optimizer": opt.state_dict(),
                                  "sampler": sampler.state_dict(), "epoch": e},
@@ -59,6 +58,8 @@ from dataclasses import dataclass
 from typing import IO, Any, BinaryIO, Callable
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 from .communicator import Communicator
 from .dtypes import BFLOAT16
@@ -73,21 +74,18 @@ MAX_DEPTH = 100
 
 _SUFFIX = ".safetensors"
 _NAME = re.compile(r"^ckpt-(\d+)\.(?:safetensors|npz)$")
+
+# The header's __metadata__ (string values only): the checksum and the JSON skeleton.
+_RESERVED, _CRC_KEY, _META_KEY = "__metadata__", "mpitrain.crc32", "mpitrain"
+_CRC_FIELD = b'"mpitrain.crc32":"'  # in the header's text, followed by the 8 hex digits
 _CHECKSUM_DIGITS = 8
 _CHECKSUM_HEX = re.compile(rb"^[0-9a-f]{8}$")
-_CHUNK = 1 << 20
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\](){}]")
-
-# safetensors: an 8-byte little-endian header length, the JSON header, then the tensors'
-# bytes. mpitrain's header opens with the checksum, so its digits sit at a fixed offset.
-_HEADER_LENGTH = struct.Struct("<Q")
-_CRC_KEY, _META_KEY, _RESERVED = "mpitrain.crc32", "mpitrain", "__metadata__"
-_HEADER_START = b'{"__metadata__":{"mpitrain.crc32":"'
-_DIGITS_AT = _HEADER_LENGTH.size + len(_HEADER_START)
-_HEADER_DEPTH = 3  # header {tensor {shape [...]}}
 _MAX_DIMS = 64
-_TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
+
+# safetensors' dtype codes and the numpy dtypes mpitrain stores as themselves (all
+# little-endian); BF16 only where ml_dtypes provides numpy's bfloat16.
 _DTYPES: dict[str, np.dtype[Any]] = {
     code: np.dtype(descr) for code, descr in (
         ("BOOL", "|b1"), ("U8", "|u1"), ("I8", "|i1"), ("U16", "<u2"), ("I16", "<i2"),
@@ -95,20 +93,7 @@ _DTYPES: dict[str, np.dtype[Any]] = {
         ("U64", "<u8"), ("I64", "<i8"), ("F64", "<f8"))}
 if BFLOAT16 is not None:
     _DTYPES["BF16"] = BFLOAT16
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-
-# The earlier format: an .npz archive (zip of .npy entries a0, a1, ... and __meta__).
-_NPZ_VERSION = 1
-_META = "__meta__"
-_CHECKSUM_TAG = b"mpitrain-crc32:"
-_END_RECORD = struct.Struct("<4s4H2LH")  # zip end-of-central-directory record, 22 bytes
-_END_SIGNATURE = b"PK\x05\x06"
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_HEADER_MAX = 10000  # what np.load accepts without allow_pickle
-_NPY_VERSIONS = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
-_NPY_HEADER_DEPTH = 32  # of brackets in a .npy header (structured dtypes nest)
-_PY_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"", re.DOTALL)
-_NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings replaced by ''
+_NATIVE = frozenset(_DTYPES.values())
 
 # Temporary files are named after the writing process,
 # ``.tmp-ckpt-PID@HOST.XXXXXX.safetensors`` (``.npz`` before), so that a later process can
@@ -125,12 +110,227 @@ __all__ = ["MAX_DEPTH", "Checkpoint", "CheckpointError", "DamagedCheckpointError
            "remove_temp_files", "restore_rng", "save"]
 
 
+# -- the public API -----------------------------------------------------------------
+def path_for(directory: str, step: int) -> str:
+    """The file name of the checkpoint of ``step`` in ``directory``."""
+    return os.path.join(directory, f"ckpt-{step:09d}{_SUFFIX}")
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint in ``directory``, oldest first (``.npz``
+    files of the earlier format included; of one step, the ``.npz`` file comes first)."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for entry in os.listdir(directory):
+        match = _NAME.match(entry)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, entry)))
+    return sorted(found)
+
+
+def latest(directory: str) -> str | None:
+    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none.
+
+    The file is not read: to resume, use :func:`load_latest`, which skips damaged ones.
+    """
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def save(directory: str, state: Any, step: int, per_rank: Any = None,
+         comm: Communicator | None = None, keep: int = 2) -> str:
+    """Write a checkpoint of ``state`` at ``step`` (collective over ``comm``).
+
+    Args:
+        directory: where checkpoints live (created if missing); must be the same path
+            on every rank, and readable by every rank that will load it.
+        state: nested dicts/lists/tuples of numpy arrays, numbers, strings and None;
+            taken from rank 0.
+        step: the step number, part of the file name
+            (``ckpt-000000042.safetensors``).
+        per_rank: optional state that differs by rank (e.g. :func:`capture_rng`);
+            gathered to rank 0 and stored for every rank.
+        comm: the communicator (default: that of :func:`mpitrain.init` if initialised,
+            else this process alone).
+        keep: how many of the newest checkpoints to keep (0: all).
+
+    Returns:
+        The checkpoint's path (on every rank).
+
+    Raises:
+        CheckpointError: on every rank, if rank 0 could not encode or write the state.
+    """
+    comm = _communicator(comm)
+    rank = comm.rank if comm is not None else 0
+    gathered = comm.allgather_object(per_rank) if comm is not None else [per_rank]
+    final = path_for(directory, step)
+    error = None
+    if rank == 0:
+        try:
+            meta, arrays = _encode(state, gathered if per_rank is not None else None, step)
+            os.makedirs(directory, exist_ok=True)
+            remove_temp_files(directory)
+            _write_atomically(final, lambda f: _write_safetensors(f, arrays, meta))
+            _remove_old(directory, keep)
+        except (OSError, CheckpointError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if comm is not None:
+        error = comm.broadcast_object(error, root=0)  # also the barrier
+    if error is not None:
+        raise CheckpointError(f"rank {rank}: rank 0 could not write checkpoint {final}: {error}")
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint.
+
+    Attributes:
+        path: the file it was read from.
+        step: the step it was saved at.
+        state: the saved state (arrays as numpy arrays).
+        ranks: how many ranks saved per-rank state (0 if none).
+        rank_state: the requested rank's per-rank state, or ``None``.
+    """
+
+    path: str
+    step: int
+    state: Any
+    ranks: int
+    rank_state: Any
+
+
+def load(path: str, rank: int | None = None) -> Checkpoint:
+    """Read a checkpoint without unpickling anything.
+
+    Args:
+        path: a file written by :func:`save` (to resume, see :func:`load_latest`); a
+            name ending in ``.npz`` is read as a checkpoint of the earlier format.
+        rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
+            has no state for (a different rank count) raises.
+
+    Raises:
+        DamagedCheckpointError: the file is truncated or corrupted (its checksum, sizes
+            or structure do not match), or is not an mpitrain checkpoint (another
+            tool's safetensors file, another zip or npz file, object arrays); the
+            message names the file and the problem.
+        CheckpointError: the file is a checkpoint of another format version, holds
+            bfloat16 arrays without ml_dtypes installed, or has no per-rank state for
+            ``rank``.
+        OSError: the file cannot be opened.
+    """
+    return _read(path).checkpoint(rank)
+
+
+def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
+    """Read the newest intact checkpoint of ``directory``, to resume from it.
+
+    A damaged newest checkpoint (see :func:`load`) is skipped with a warning (logger
+    ``mpitrain``) that names it and the problem, and the next older one is tried.
+    Temporary files left by killed saves are removed first.
+
+    Args:
+        directory: the directory given to :func:`save`.
+        rank: whose per-rank state to return (as in :func:`load`).
+
+    Returns:
+        The checkpoint, or ``None`` if the directory holds none that is intact (with a
+        warning if it holds damaged ones).
+
+    Raises:
+        CheckpointError: an intact checkpoint cannot be used (see :func:`load`).
+    """
+    remove_temp_files(directory)
+    found = [path for _, path in reversed(list_checkpoints(directory))]
+    for i, path in enumerate(found):
+        try:
+            contents = _read(path)
+        except DamagedCheckpointError as exc:
+            instead = f"trying {found[i + 1]}" if i + 1 < len(found) else "no older one"
+            log.warning("mpitrain checkpoint: skipping %s: %s; %s", path, exc, instead)
+            continue
+        return contents.checkpoint(rank)
+    if found:
+        log.warning("mpitrain checkpoint: no intact checkpoint in %s (%d damaged: %s); "
+                    "starting as if there were none", directory, len(found), ", ".join(found))
+    return None
+
+
+def remove_temp_files(directory: str) -> list[str]:
+    """Remove the temporary files that killed saves left in ``directory``.
+
+    Done by :func:`save` and :func:`load_latest`. Only files that no running save can
+    be writing are removed: those named after a process of this host that has ended,
+    and others last written before this process started. A file that cannot be
+    removed (read-only directory) is left, with a warning.
+
+    Returns:
+        The paths removed.
+    """
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in sorted(entries):
+        if not entry.startswith(_TMP_PREFIX) or not _abandoned(directory, entry):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # another process removed it first
+        except OSError as exc:
+            log.warning("mpitrain checkpoint: cannot remove %s, the temporary file of an "
+                        "interrupted save: %s", path, exc)
+            continue
+        removed.append(path)
+    if removed:
+        log.info("mpitrain checkpoint: removed %d temporary file(s) of interrupted saves: %s",
+                 len(removed), ", ".join(removed))
+    return removed
+
+
+# -- random generators ----------------------------------------------------------------
+def capture_rng(generator: np.random.Generator | None = None) -> dict[str, Any]:
+    """This process's random states: Python's, numpy's global one, ``generator``'s, and
+    torch's CPU (and CUDA) generators when torch is imported."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
+    if generator is not None:
+        state["generator"] = generator.bit_generator.state
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state().numpy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["torch_cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any], generator: np.random.Generator | None = None) -> None:
+    """Restore the states of :func:`capture_rng` (and ``generator``'s, if saved)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if generator is not None:
+        if "generator" not in state:
+            raise CheckpointError("restore_rng got a generator, but the checkpoint saved none; "
+                                  "pass the generator to capture_rng() when saving")
+        generator.bit_generator.state = state["generator"]
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(np.array(state["torch"])))
+        if "torch_cuda" in state:
+            torch.cuda.set_rng_state_all([torch.from_numpy(np.array(s))
+                                          for s in state["torch_cuda"]])
+
+
 # -- state <-> (JSON skeleton, arrays) ------------------------------------------------
 class _Encoder:
     """Splits a state into a JSON skeleton and arrays named after their place in it."""
 
     def __init__(self) -> None:
-        self.arrays: dict[str, tuple[str, np.ndarray[Any, Any]]] = {}  # name: (code, data)
+        self.arrays: dict[str, np.ndarray[Any, Any]] = {}  # name: little-endian, C order
 
     def encode(self, value: Any, where: str, name: str) -> Any:
         """The JSON of ``value``, found at ``where`` (for messages) and named ``name``
@@ -165,16 +365,15 @@ class _Encoder:
                                   "cannot be stored without pickle; store a numeric array")
         key = self._unique(name or "state")
         little = arr.dtype.newbyteorder("<")
-        code = _CODES.get(little)
-        if code is not None:
-            self.arrays[key] = code, np.asarray(arr, dtype=little, order="C")
+        if little in _NATIVE:
+            self.arrays[key] = np.asarray(arr, dtype=little, order="C")
             return {"key": key}
         if arr.dtype.names is not None or arr.dtype.itemsize == 0:
             raise CheckpointError(f"checkpoint: {where} is an array of dtype {arr.dtype}, which "
                                   "a checkpoint cannot store; store each field of a structured "
                                   "array as an array of its own, and strings as str")
         # a dtype safetensors lacks (complex128, strings, dates): its bytes, as U8
-        self.arrays[key] = "U8", np.asarray(arr, order="C").reshape(-1).view(np.uint8)
+        self.arrays[key] = np.asarray(arr, order="C").reshape(-1).view(np.uint8)
         return {"key": key, "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
     def _unique(self, name: str) -> str:
@@ -292,32 +491,45 @@ def _nested_deeper_than(skeleton: str, limit: int) -> bool:
     return False
 
 
-# -- files ------------------------------------------------------------------------------
-def path_for(directory: str, step: int) -> str:
-    """The file name of the checkpoint of ``step`` in ``directory``."""
-    return os.path.join(directory, f"ckpt-{step:09d}{_SUFFIX}")
+# -- writing ------------------------------------------------------------------------
+def _communicator(comm: Communicator | None) -> Communicator | None:
+    if comm is None and is_initialized():
+        return default_communicator()
+    return comm
 
 
-def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint in ``directory``, oldest first (``.npz``
-    files of the earlier format included; of one step, the ``.npz`` file comes first)."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for entry in os.listdir(directory):
-        match = _NAME.match(entry)
-        if match:
-            found.append((int(match.group(1)), os.path.join(directory, entry)))
-    return sorted(found)
+def _encode(state: Any, per_rank: list[Any] | None,
+            step: int) -> tuple[str, dict[str, np.ndarray[Any, Any]]]:
+    """The JSON metadata of a checkpoint, and its arrays by tensor name."""
+    encoder = _Encoder()
+    meta = {"format": FORMAT, "version": VERSION, "step": step,
+            "state": encoder.encode(state, "state", ""),
+            "per_rank": None if per_rank is None else
+            [encoder.encode(s, f"per_rank[{r}]", f"per_rank.{r}") for r, s in enumerate(per_rank)]}
+    text = json.dumps(meta)
+    if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
+        raise CheckpointError(f"checkpoint: the state nests more than {MAX_DEPTH} levels of "
+                              "dicts and lists (a tuple counts twice), more than a checkpoint "
+                              "can be loaded with; flatten it")
+    return text, encoder.arrays
 
 
-def latest(directory: str) -> str | None:
-    """The path of the newest checkpoint in ``directory``, or ``None`` if there is none.
-
-    The file is not read: to resume, use :func:`load_latest`, which skips damaged ones.
-    """
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
+def _write_safetensors(f: BinaryIO, arrays: dict[str, np.ndarray[Any, Any]], meta: str) -> None:
+    """Write the safetensors file of ``arrays`` with ``meta`` in its metadata, and its
+    checksum: the library serializes it with 8 zeros for the checksum's digits, which
+    are then replaced by the CRC-32 of every other byte."""
+    try:
+        data = safetensors.numpy.save(arrays, metadata={
+            _CRC_KEY: "0" * _CHECKSUM_DIGITS, _META_KEY: meta})
+    except safetensors.SafetensorError as exc:
+        raise CheckpointError(f"checkpoint: safetensors cannot store the state: {exc}") from exc
+    at = _checksum_at(data)
+    if at is None:  # the library writes the metadata it is given: never happens
+        raise CheckpointError("checkpoint: safetensors did not write the checksum's field")
+    view = memoryview(data)
+    f.write(view[:at])
+    f.write(b"%08x" % _crc32_around(data, at))
+    f.write(view[at + _CHECKSUM_DIGITS:])
 
 
 def _write_atomically(final: str, write: Callable[[BinaryIO], None]) -> None:
@@ -326,7 +538,7 @@ def _write_atomically(final: str, write: Callable[[BinaryIO], None]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}@{_HOST}.", suffix=_SUFFIX,
                                dir=directory)
     try:
-        with os.fdopen(fd, "w+b") as f:
+        with os.fdopen(fd, "wb") as f:
             mask = os.umask(0)
             os.umask(mask)
             os.fchmod(f.fileno(), 0o666 & ~mask)  # mkstemp's 0600, widened as open() would
@@ -343,6 +555,12 @@ def _write_atomically(final: str, write: Callable[[BinaryIO], None]) -> None:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _remove_old(directory: str, keep: int) -> None:
+    if keep > 0:
+        for _, old in list_checkpoints(directory)[:-keep]:
+            os.unlink(old)
 
 
 def _alive(pid: int) -> bool:
@@ -381,154 +599,7 @@ def _abandoned(directory: str, entry: str) -> bool:
         return False
 
 
-def remove_temp_files(directory: str) -> list[str]:
-    """Remove the temporary files that killed saves left in ``directory``.
-
-    Done by :func:`save` and :func:`load_latest`. Only files that no running save can
-    be writing are removed: those named after a process of this host that has ended,
-    and others last written before this process started. A file that cannot be
-    removed (read-only directory) is left, with a warning.
-
-    Returns:
-        The paths removed.
-    """
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return []
-    removed = []
-    for entry in sorted(entries):
-        if not entry.startswith(_TMP_PREFIX) or not _abandoned(directory, entry):
-            continue
-        path = os.path.join(directory, entry)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue  # another process removed it first
-        except OSError as exc:
-            log.warning("mpitrain checkpoint: cannot remove %s, the temporary file of an "
-                        "interrupted save: %s", path, exc)
-            continue
-        removed.append(path)
-    if removed:
-        log.info("mpitrain checkpoint: removed %d temporary file(s) of interrupted saves: %s",
-                 len(removed), ", ".join(removed))
-    return removed
-
-
-def _remove_old(directory: str, keep: int) -> None:
-    if keep > 0:
-        for _, old in list_checkpoints(directory)[:-keep]:
-            os.unlink(old)
-
-
-def _encoder(state: Any, per_rank: list[Any] | None, step: int) -> tuple[str, _Encoder]:
-    """The JSON metadata of a checkpoint and the encoder holding its arrays."""
-    encoder = _Encoder()
-    meta = {"format": FORMAT, "version": VERSION, "step": step,
-            "state": encoder.encode(state, "state", ""),
-            "per_rank": None if per_rank is None else
-            [encoder.encode(s, f"per_rank[{r}]", f"per_rank.{r}") for r, s in enumerate(per_rank)]}
-    text = json.dumps(meta)
-    if _nested_deeper_than(_JSON_STRING.sub("", text), MAX_DEPTH):
-        raise CheckpointError(f"checkpoint: the state nests more than {MAX_DEPTH} levels of "
-                              "dicts and lists (a tuple counts twice), more than a checkpoint "
-                              "can be loaded with; flatten it")
-    return text, encoder
-
-
-def _write_safetensors(f: BinaryIO, meta: str, arrays: dict[str, tuple[str, Any]]) -> None:
-    """Write the safetensors file of ``arrays`` (name: (dtype code, C-ordered array))
-    with ``meta`` in its header, then its checksum into the header."""
-    order = sorted(arrays.items(), key=lambda item: -item[1][1].dtype.itemsize)  # aligned
-    tensors, offset = {}, 0
-    for name, (code, data) in order:
-        tensors[name] = {"dtype": code, "shape": list(data.shape),
-                         "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
-    header = json.dumps({_RESERVED: {_CRC_KEY: "0" * _CHECKSUM_DIGITS, _META_KEY: meta},
-                         **tensors}, separators=(",", ":")).encode("ascii")
-    header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-byte aligned
-    head = _HEADER_LENGTH.pack(len(header)) + header
-    f.write(head)
-    crc = zlib.crc32(head[_DIGITS_AT + _CHECKSUM_DIGITS:], zlib.crc32(head[:_DIGITS_AT]))
-    for _, (_, data) in order:
-        raw = data.reshape(-1).view(np.uint8)
-        f.write(raw)
-        crc = zlib.crc32(raw, crc)
-    f.seek(_DIGITS_AT)
-    f.write(b"%08x" % crc)
-
-
-def _communicator(comm: Communicator | None) -> Communicator | None:
-    if comm is None and is_initialized():
-        return default_communicator()
-    return comm
-
-
-def save(directory: str, state: Any, step: int, per_rank: Any = None,
-         comm: Communicator | None = None, keep: int = 2) -> str:
-    """Write a checkpoint of ``state`` at ``step`` (collective over ``comm``).
-
-    Args:
-        directory: where checkpoints live (created if missing); must be the same path
-            on every rank, and readable by every rank that will load it.
-        state: nested dicts/lists/tuples of numpy arrays, numbers, strings and None;
-            taken from rank 0.
-        step: the step number, part of the file name
-            (``ckpt-000000042.safetensors``).
-        per_rank: optional state that differs by rank (e.g. :func:`capture_rng`);
-            gathered to rank 0 and stored for every rank.
-        comm: the communicator (default: that of :func:`mpitrain.init` if initialised,
-            else this process alone).
-        keep: how many of the newest checkpoints to keep (0: all).
-
-    Returns:
-        The checkpoint's path (on every rank).
-
-    Raises:
-        CheckpointError: on every rank, if rank 0 could not encode or write the state.
-    """
-    comm = _communicator(comm)
-    rank = comm.rank if comm is not None else 0
-    gathered = comm.allgather_object(per_rank) if comm is not None else [per_rank]
-    final = path_for(directory, step)
-    error = None
-    if rank == 0:
-        try:
-            meta, encoder = _encoder(state, gathered if per_rank is not None else None, step)
-            os.makedirs(directory, exist_ok=True)
-            remove_temp_files(directory)
-            _write_atomically(final, lambda f: _write_safetensors(f, meta, encoder.arrays))
-            _remove_old(directory, keep)
-        except (OSError, CheckpointError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    if comm is not None:
-        error = comm.broadcast_object(error, root=0)  # also the barrier
-    if error is not None:
-        raise CheckpointError(f"rank {rank}: rank 0 could not write checkpoint {final}: {error}")
-    return final
-
-
-@dataclass
-class Checkpoint:
-    """A loaded checkpoint.
-
-    Attributes:
-        path: the file it was read from.
-        step: the step it was saved at.
-        state: the saved state (arrays as numpy arrays).
-        ranks: how many ranks saved per-rank state (0 if none).
-        rank_state: the requested rank's per-rank state, or ``None``.
-    """
-
-    path: str
-    step: int
-    state: Any
-    ranks: int
-    rank_state: Any
-
-
+# -- reading: check everything before trusting it -----------------------------------
 @dataclass
 class _Contents:
     """What a checkpoint file holds, decoded and checked."""
@@ -552,63 +623,6 @@ class _Contents:
         return Checkpoint(self.path, self.step, self.state, ranks, rank_state)
 
 
-def load(path: str, rank: int | None = None) -> Checkpoint:
-    """Read a checkpoint without unpickling anything.
-
-    Args:
-        path: a file written by :func:`save` (to resume, see :func:`load_latest`); a
-            name ending in ``.npz`` is read as a checkpoint of the earlier format.
-        rank: whose per-rank state to return in ``rank_state``; a rank the checkpoint
-            has no state for (a different rank count) raises.
-
-    Raises:
-        DamagedCheckpointError: the file is truncated or corrupted (its checksum, sizes
-            or structure do not match), or is not an mpitrain checkpoint (another
-            tool's safetensors file, another zip or npz file, object arrays); the
-            message names the file and the problem.
-        CheckpointError: the file is a checkpoint of another format version, holds
-            bfloat16 arrays without ml_dtypes installed, or has no per-rank state for
-            ``rank``.
-        OSError: the file cannot be opened.
-    """
-    return _read(path).checkpoint(rank)
-
-
-def load_latest(directory: str, rank: int | None = None) -> Checkpoint | None:
-    """Read the newest intact checkpoint of ``directory``, to resume from it.
-
-    A damaged newest checkpoint (see :func:`load`) is skipped with a warning (logger
-    ``mpitrain``) that names it and the problem, and the next older one is tried.
-    Temporary files left by killed saves are removed first.
-
-    Args:
-        directory: the directory given to :func:`save`.
-        rank: whose per-rank state to return (as in :func:`load`).
-
-    Returns:
-        The checkpoint, or ``None`` if the directory holds none that is intact (with a
-        warning if it holds damaged ones).
-
-    Raises:
-        CheckpointError: an intact checkpoint cannot be used (see :func:`load`).
-    """
-    remove_temp_files(directory)
-    found = [path for _, path in reversed(list_checkpoints(directory))]
-    for i, path in enumerate(found):
-        try:
-            contents = _read(path)
-        except DamagedCheckpointError as exc:
-            instead = f"trying {found[i + 1]}" if i + 1 < len(found) else "no older one"
-            log.warning("mpitrain checkpoint: skipping %s: %s; %s", path, exc, instead)
-            continue
-        return contents.checkpoint(rank)
-    if found:
-        log.warning("mpitrain checkpoint: no intact checkpoint in %s (%d damaged: %s); "
-                    "starting as if there were none", directory, len(found), ", ".join(found))
-    return None
-
-
-# -- reading: check everything before trusting it -----------------------------------
 def _damaged(path: str, problem: str) -> DamagedCheckpointError:
     return DamagedCheckpointError(f"{path} is damaged or not an mpitrain checkpoint: {problem}; "
                                   "resume from an older one (checkpoint.load_latest(directory) "
@@ -619,11 +633,13 @@ def _read(path: str) -> _Contents:
     """Every check, then the contents of checkpoint ``path`` (``.npz``: the earlier
     format; any other name: safetensors)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if path.endswith(".npz"):
-            meta, arrays = _read_npz(path, f, size)
-        else:
-            meta, arrays = _read_safetensors(path, f, size)
+        data = f.read()
+    if not data:
+        raise _damaged(path, "the file is empty (0 bytes): truncated, or never written")
+    if path.endswith(".npz"):
+        meta, arrays = _read_npz(path, data)
+    else:
+        meta, arrays = _read_safetensors(path, data)
     decoder = _Decoder(path, arrays)
     per_rank = meta["per_rank"]
     return _Contents(path, meta["step"], decoder.decode(meta["state"], "state"),
@@ -631,119 +647,134 @@ def _read(path: str) -> _Contents:
                      [decoder.decode(s, f"per_rank[{r}]") for r, s in enumerate(per_rank)])
 
 
-def _read_safetensors(path: str, f: io.BufferedReader,
-                      size: int) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
-    """The metadata and arrays of a safetensors checkpoint, once its checksum matches and
-    its tensor table accounts for exactly the bytes after the header."""
-    smallest = _DIGITS_AT + _CHECKSUM_DIGITS
-    if size < smallest:
-        what = "empty (0 bytes)" if size == 0 else f"{size} bytes long"
-        raise _damaged(path, f"the file is {what}, shorter than the {smallest} bytes that open "
-                             "every mpitrain checkpoint: truncated, or never written")
-    (length,) = _HEADER_LENGTH.unpack(f.read(_HEADER_LENGTH.size))
-    if length > size - _HEADER_LENGTH.size:  # a u64: checked before anything is read
-        raise _damaged(path, f"it declares a {length}-byte header, longer than the "
-                             f"{size - _HEADER_LENGTH.size} bytes after it: truncated, or not "
-                             "a safetensors file")
-    header = f.read(length)
-    digits = header[len(_HEADER_START):len(_HEADER_START) + _CHECKSUM_DIGITS]
-    if not (header.startswith(_HEADER_START) and _CHECKSUM_HEX.match(digits)):
-        raise _damaged(path, f"its header does not open with mpitrain's checksum (it opens "
-                             f"{header[:len(_HEADER_START) + 10]!r:.80}): another tool's "
-                             "safetensors file, or not a safetensors file")
-    _check_crc32(path, f, size, _DIGITS_AT, digits)
-    table = _json(path, header, "header", _HEADER_DEPTH)
-    metadata = table.pop(_RESERVED, None) if isinstance(table, dict) else None
-    if not (isinstance(metadata, dict) and isinstance(metadata.get(_META_KEY), str)):
+def _read_safetensors(path: str,
+                      data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
+    """The metadata and arrays of safetensors checkpoint ``data``: the library checks
+    and parses the format, then the checksum is checked, then mpitrain's metadata."""
+    try:
+        tensors = safetensors.deserialize(data)
+    except safetensors.SafetensorError as exc:
+        raise _damaged(path, f"safetensors cannot read it ({exc}): truncated, or not a "
+                             "safetensors file") from None
+    at = _checksum_at(data)
+    if at is None:
+        raise _damaged(path, f"its header holds no {_CRC_KEY!r} checksum, or several: "
+                             "another tool's safetensors file")
+    _check_crc32(path, data, at)
+    # the library returns the tensors, not the metadata: read it from the header,
+    # which the library has checked to be JSON of the safetensors layout
+    header = _json(path, data[8:8 + int.from_bytes(data[:8], "little")], "header", MAX_DEPTH)
+    metadata = header.get(_RESERVED) if isinstance(header, dict) else None
+    text = metadata.get(_META_KEY) if isinstance(metadata, dict) else None
+    if not isinstance(text, str):
         raise _damaged(path, f"its header holds no {_META_KEY!r} metadata")
-    meta = _meta(path, _json(path, metadata[_META_KEY].encode("utf-8"), "metadata", MAX_DEPTH),
-                 VERSION)
-    tensors = _tensors(path, table, size - _HEADER_LENGTH.size - length)
-    start = _HEADER_LENGTH.size + length
-    arrays = {}
-    for name, (begin, dtype, shape) in tensors.items():
-        f.seek(start + begin)
-        arrays[name] = _read_exactly(path, f, name, dtype, shape)
-    return meta, arrays
+    meta = _meta(path, _json(path, text.encode("utf-8"), "metadata", MAX_DEPTH), VERSION)
+    return meta, {name: _tensor(path, name, info) for name, info in tensors}
 
 
-def _tensors(path: str, table: dict[str, Any],
-             data_size: int) -> dict[str, tuple[int, np.dtype[Any], list[int]]]:
-    """``name: (offset, dtype, shape)`` of the header's tensors, once their extents are
-    found to tile the ``data_size`` bytes after the header, each byte once."""
-    tensors, extents = {}, []
-    for name, info in table.items():
-        if not (isinstance(info, dict) and set(info) == _TENSOR_FIELDS):
-            raise _damaged(path, f"tensor {name!r:.40} is described by {info!r:.80}")
-        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        dtype = _DTYPES.get(code) if isinstance(code, str) else None
-        if dtype is None and code == "BF16":
-            raise CheckpointError(f"{path} holds bfloat16 arrays ({name!r:.40}); pip install "
-                                  "ml_dtypes to load it")
-        if dtype is None or not _is_shape(shape):
-            raise _damaged(path, f"tensor {name!r:.40} has the dtype {code!r:.20} and shape "
-                                 f"{shape!r:.80}; mpitrain writes {', '.join(_DTYPES)}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and _is_shape(offsets)
-                and offsets[0] <= offsets[1]):
-            raise _damaged(path, f"tensor {name!r:.40} has the data offsets {offsets!r:.80}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if offsets[1] - offsets[0] != nbytes:
-            raise _damaged(path, f"tensor {name!r:.40} of {code} {shape} ({nbytes} bytes) "
-                                 f"declares {offsets[1] - offsets[0]} bytes of data")
-        tensors[name] = offsets[0], dtype, shape
-        extents.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(extents):
-        if begin != end:
-            raise _damaged(path, f"tensor {name!r:.40} starts at byte {begin} of the data, "
-                                 f"where {end} was expected (tensors overlap or leave a gap)")
-        end = stop
-    if end != data_size:
-        raise _damaged(path, f"its tensors hold {end} bytes, the file {data_size} after its "
-                             "header: truncated, or extended")
-    return tensors
+def _tensor(path: str, name: str, info: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """Tensor ``name`` as the library returns it (its bytes, checked against its dtype
+    and shape), as a numpy array that shares those bytes."""
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is None and info["dtype"] == "BF16":
+        raise CheckpointError(f"{path} holds bfloat16 arrays ({name!r:.40}); pip install "
+                              "ml_dtypes to load it")
+    if dtype is None:
+        raise _damaged(path, f"tensor {name!r:.40} has the dtype {info['dtype']!r:.20}; "
+                             f"mpitrain writes {', '.join(_DTYPES)}")
+    return np.frombuffer(info["data"], dtype).reshape(info["shape"])
 
 
-def _read_exactly(path: str, f: io.BufferedReader, name: str, dtype: np.dtype[Any],
-                  shape: list[int]) -> np.ndarray[Any, Any]:
-    """Array ``name`` of ``dtype`` and ``shape``, read from where ``f`` stands."""
-    flat = np.empty(math.prod(shape), dtype)
-    data = flat.view(np.uint8) if flat.nbytes else np.empty(0, np.uint8)
-    done = 0
-    while done < data.size:
-        got = f.readinto(data.data[done:done + _CHUNK])
-        if not got:
-            raise _damaged(path, f"tensor {name!r:.40} ends after {done} of its {data.size} "
-                                 "bytes: the file shrank while it was read")
-        done += got
-    return flat.reshape(shape)
+def _checksum_at(data: bytes) -> int | None:
+    """Where the checksum's 8 hex digits start in safetensors file ``data``, if its
+    header holds the checksum's field exactly once (``None`` if not).
+
+    The library orders the metadata as it likes, so the digits have no fixed place.
+    In the header's JSON text this byte sequence can only be that field: the quotes of
+    a string that contains it are escaped.
+    """
+    end = 8 + int.from_bytes(data[:8], "little")
+    at = data.find(_CRC_FIELD, 8, end)
+    if at < 0 or data.find(_CRC_FIELD, at + 1, end) >= 0:
+        return None
+    return at + len(_CRC_FIELD)
 
 
-def _check_crc32(path: str, f: io.BufferedReader, size: int, at: int, digits: bytes) -> None:
-    """Compare ``digits`` (hex, at offset ``at``) with the CRC-32 of every other byte."""
-    crc, chunk = 0, bytearray(min(_CHUNK, size))
-    for start, stop in ((0, at), (at + _CHECKSUM_DIGITS, size)):
-        f.seek(start)
-        left = stop - start
-        while left:
-            got = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
-            if not got:
-                raise _damaged(path, "the file shrank while it was read")
-            crc = zlib.crc32(memoryview(chunk)[:got], crc)
-            left -= got
+def _crc32_around(data: bytes, at: int) -> int:
+    """The CRC-32 of every byte of ``data`` but the checksum's digits at ``at``."""
+    view = memoryview(data)
+    return zlib.crc32(view[at + _CHECKSUM_DIGITS:], zlib.crc32(view[:at]))
+
+
+def _check_crc32(path: str, data: bytes, at: int) -> None:
+    """Compare the checksum (8 hex digits at ``at``) with the CRC-32 of every other byte."""
+    digits = data[at:at + _CHECKSUM_DIGITS]
+    if not _CHECKSUM_HEX.match(digits):
+        raise _damaged(path, f"its checksum {digits!r:.30} is not 8 hex digits")
+    crc = _crc32_around(data, at)
     if crc != int(digits, 16):
         raise _damaged(path, f"its contents do not match their CRC-32 (stored "
                              f"{digits.decode()}, computed {crc:08x}): the file changed "
                              "after it was written")
 
 
-def _read_npz(path: str, f: io.BufferedReader,
-              size: int) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
-    """The metadata and arrays of an ``.npz`` checkpoint (the earlier format)."""
-    declared = _verify_end(path, f, size)
+def _json(path: str, text: bytes, what: str, depth: int) -> Any:
+    """The JSON ``text`` (the file's ``what``), once its nesting is found within ``depth``."""
     try:
-        with zipfile.ZipFile(f) as archive:
-            entries = _entries(path, archive, size, declared)
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _damaged(path, f"its {what} is not UTF-8 text ({exc})") from None
+    if _nested_deeper_than(_JSON_STRING.sub("", decoded), depth):
+        raise _damaged(path, f"its {what} nests more than {depth} levels deep")
+    try:
+        return json.loads(decoded)
+    except ValueError as exc:
+        raise _damaged(path, f"its {what} is not valid JSON ({exc})") from None
+
+
+def _meta(path: str, meta: Any, version: int) -> dict[str, Any]:
+    """The checked metadata: an mpitrain checkpoint's of format ``version``."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _damaged(path, f"its metadata is not an mpitrain checkpoint's (format "
+                             f"{found!r:.60}, expected {FORMAT!r})")
+    if meta.get("version") != version:
+        raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} version "
+                              f"{meta.get('version')!r:.20}; expected {FORMAT!r} {version} "
+                              "(written by another version of mpitrain?)")
+    step, per_rank = meta.get("step"), meta.get("per_rank")
+    if type(step) is not int or "state" not in meta or not (per_rank is None
+                                                             or isinstance(per_rank, list)):
+        raise _damaged(path, f"its metadata lacks a step, state or per-rank list (step "
+                             f"{step!r:.20}, per_rank a {type(per_rank).__name__})")
+    return meta
+
+
+# -- the earlier format, read only: .npz archives --------------------------------------
+# A zip of .npy entries a0, a1, ... and __meta__ (the JSON, as bytes), with a CRC-32 of
+# every byte but its own 8 hex digits in the zip comment ("mpitrain-crc32:XXXXXXXX"), or
+# without a comment in the oldest. The zip directory and .npy headers are checked here
+# against the file's size before anything is allocated.
+_NPZ_VERSION = 1
+_META = "__meta__"
+_CHECKSUM_TAG = b"mpitrain-crc32:"
+_END_RECORD = struct.Struct("<4s4H2LH")  # zip end-of-central-directory record, 22 bytes
+_END_SIGNATURE = b"PK\x05\x06"
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_HEADER_MAX = 10000  # what np.load accepts without allow_pickle
+_NPY_VERSIONS = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
+_NPY_HEADER_DEPTH = 32  # of brackets in a .npy header (structured dtypes nest)
+_PY_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"", re.DOTALL)
+_NPY_HEADER_SKELETON = re.compile(r"[\s{}\[\](),:'0-9A-Za-z_]*")  # strings replaced by ''
+_CHUNK = 1 << 20
+
+
+def _read_npz(path: str, data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
+    """The metadata and arrays of ``.npz`` checkpoint ``data``."""
+    declared = _verify_end(path, data)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = _entries(path, archive, len(data), declared)
             if _META not in entries:
                 names = ", ".join(sorted(entries)[:5]) or "none"
                 raise _damaged(path, f"it has no {_META} entry (arrays: {names}): "
@@ -764,33 +795,31 @@ def _read_npz(path: str, f: io.BufferedReader,
     return meta, arrays
 
 
-def _verify_end(path: str, f: io.BufferedReader, size: int) -> int:
+def _verify_end(path: str, data: bytes) -> int:
     """Check the zip end record, and the checksum of the whole file if it has one.
 
     Returns:
         The number of entries the end record declares (0xFFFF: see the zip64 record).
     """
+    size = len(data)
     if size < _END_RECORD.size:
-        what = "empty (0 bytes)" if size == 0 else f"{size} bytes long"
-        raise _damaged(path, f"the file is {what}, shorter than the {_END_RECORD.size}-byte "
-                             "end record of any zip archive: truncated, or never written")
+        raise _damaged(path, f"the file is {size} bytes long, shorter than the "
+                             f"{_END_RECORD.size}-byte end record of any zip archive: "
+                             "truncated, or never written")
     record = len(_CHECKSUM_TAG) + _CHECKSUM_DIGITS
-    f.seek(max(0, size - _END_RECORD.size - record))
-    tail = f.read()
+    tail = data[-_END_RECORD.size - record:]
     entries = _end_record(tail[-_END_RECORD.size:], 0)
     if entries is not None:
         pass  # no zip comment: written before checksums (the text of a comment cannot
         # hold an end record, so a file with a checksum never looks like this)
-    elif (entries := _end_record(tail[-_END_RECORD.size - record:], record)) is not None:
+    elif (entries := _end_record(tail, record)) is not None:
         comment = tail[-record:]
-        digits = comment[len(_CHECKSUM_TAG):]
-        if not comment.startswith(_CHECKSUM_TAG) or not _CHECKSUM_HEX.match(digits):
+        if not comment.startswith(_CHECKSUM_TAG):
             raise _damaged(path, f"its checksum record (zip comment {comment!r}) is damaged")
-        _check_crc32(path, f, size, size - _CHECKSUM_DIGITS, digits)
+        _check_crc32(path, data, size - _CHECKSUM_DIGITS)
     else:
         raise _damaged(path, f"it does not end with a zip end record ({size} bytes, last "
                              f"{tail[-8:].hex()}): truncated, or not a checkpoint")
-    f.seek(0)
     return entries
 
 
@@ -900,68 +929,3 @@ def _npy_header(path: str, key: str, member: IO[bytes],
         raise _damaged(path, f"array {key!r:.40} has the dtype {header['descr']!r:.40}, "
                              "which numpy never writes for a whole array")
     return dtype, shape, fortran, start + length
-
-
-def _json(path: str, text: bytes, what: str, depth: int) -> Any:
-    """The JSON ``text`` (the file's ``what``), once its nesting is found within ``depth``."""
-    try:
-        decoded = text.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _damaged(path, f"its {what} is not UTF-8 text ({exc})") from None
-    if _nested_deeper_than(_JSON_STRING.sub("", decoded), depth):
-        raise _damaged(path, f"its {what} nests more than {depth} levels deep")
-    try:
-        return json.loads(decoded)
-    except ValueError as exc:
-        raise _damaged(path, f"its {what} is not valid JSON ({exc})") from None
-
-
-def _meta(path: str, meta: Any, version: int) -> dict[str, Any]:
-    """The checked metadata: an mpitrain checkpoint's of format ``version``."""
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise _damaged(path, f"its metadata is not an mpitrain checkpoint's (format "
-                             f"{found!r:.60}, expected {FORMAT!r})")
-    if meta.get("version") != version:
-        raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} version "
-                              f"{meta.get('version')!r:.20}; expected {FORMAT!r} {version} "
-                              "(written by another version of mpitrain?)")
-    step, per_rank = meta.get("step"), meta.get("per_rank")
-    if type(step) is not int or "state" not in meta or not (per_rank is None
-                                                             or isinstance(per_rank, list)):
-        raise _damaged(path, f"its metadata lacks a step, state or per-rank list (step "
-                             f"{step!r:.20}, per_rank a {type(per_rank).__name__})")
-    return meta
-
-
-# -- random generators ----------------------------------------------------------------
-def capture_rng(generator: np.random.Generator | None = None) -> dict[str, Any]:
-    """This process's random states: Python's, numpy's global one, ``generator``'s, and
-    torch's CPU (and CUDA) generators when torch is imported."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
-    if generator is not None:
-        state["generator"] = generator.bit_generator.state
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = torch.get_rng_state().numpy()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["torch_cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng(state: dict[str, Any], generator: np.random.Generator | None = None) -> None:
-    """Restore the states of :func:`capture_rng` (and ``generator``'s, if saved)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if generator is not None:
-        if "generator" not in state:
-            raise CheckpointError("restore_rng got a generator, but the checkpoint saved none; "
-                                  "pass the generator to capture_rng() when saving")
-        generator.bit_generator.state = state["generator"]
-    if "torch" in state:
-        import torch
-
-        torch.set_rng_state(torch.from_numpy(np.array(state["torch"])))
-        if "torch_cuda" in state:
-            torch.cuda.set_rng_state_all([torch.from_numpy(np.array(s))
-                                          for s in state["torch_cuda"]])

@@ -41,8 +41,8 @@ from mpitrain.errors import CheckpointError
 END_RECORD = 22  # bytes of a zip end-of-central-directory record
 CHECKSUM = len(b"mpitrain-crc32:") + 8  # the zip comment of an .npz checkpoint
 PER_REGION = 60  # flipped positions per part of the file (more where a part is smaller)
-HEADER_START = b'{"__metadata__":{"mpitrain.crc32":"'  # of a safetensors checkpoint
-DIGITS_AT = 8 + len(HEADER_START)  # where its checksum's 8 hex digits are
+CRC_FIELD = b'"mpitrain.crc32":"'  # in a safetensors checkpoint's header, then 8 hex digits
+LIBRARY = "safetensors cannot read it"  # refused by the safetensors library's checks
 LEGACY = Path(__file__).parent / "data" / "ckpt-version1.npz"
 LEGACY_PER_RANK = {"r": np.arange(3, dtype=np.uint32),  # what it holds besides sample_state()
                    "gen": np.random.default_rng(0).bit_generator.state}
@@ -109,15 +109,26 @@ def header_of(data: bytes) -> tuple[int, dict[str, Any]]:
     return length, json.loads(data[8:8 + length])
 
 
+def checksum_at(data: bytes) -> int:
+    """Where the checksum's 8 hex digits are in safetensors checkpoint ``data`` (the
+    library orders the metadata as it likes: anywhere in the header)."""
+    return data.index(CRC_FIELD) + len(CRC_FIELD)
+
+
 def regions(data: bytes) -> dict[str, list[range]]:
     """The byte ranges of each part of safetensors checkpoint ``data``."""
     length, header = header_of(data)
     meta = json.dumps(header["__metadata__"]["mpitrain"]).encode()  # as it is escaped
-    meta_at = data.index(meta, DIGITS_AT)
+    meta_at, at = data.index(meta, 8), checksum_at(data)
+    table, start = [], 8  # the header around the checksum and the metadata JSON
+    for begin, end in sorted([(at, at + 8), (meta_at, meta_at + len(meta))]):
+        table.append(range(start, begin))
+        start = end
+    table.append(range(start, 8 + length))
     return {"header length": [range(0, 8)],
-            "checksum": [range(DIGITS_AT, DIGITS_AT + 8)],
+            "checksum": [range(at, at + 8)],
             "metadata JSON": [range(meta_at, meta_at + len(meta))],
-            "tensor table": [range(8, DIGITS_AT), range(meta_at + len(meta), 8 + length)],
+            "tensor table": table,
             "array data": [range(8 + length, len(data))]}
 
 
@@ -240,9 +251,9 @@ def _write(directory: Path, data: bytes) -> str:
 def test_truncated_and_extended_files_are_refused(intact: bytes, legacy: bytes,
                                                   tmp_path: Path) -> None:
     tried = 0
-    length = struct.unpack_from("<Q", intact)[0]
-    cases = [(intact, "safetensors", {7, 8, DIGITS_AT, DIGITS_AT + 8, 8 + length - 1,
-                                      8 + length, 8 + length + 1}),
+    length, at = struct.unpack_from("<Q", intact)[0], checksum_at(intact)
+    cases = [(intact, "safetensors", {7, 8, at, at + 8, 8 + length - 1, 8 + length,
+                                      8 + length + 1}),
              (legacy, "npz", {END_RECORD - 1, END_RECORD, END_RECORD + 1, len(legacy) - CHECKSUM,
                               len(legacy) - CHECKSUM - END_RECORD}),
              (without_checksum(legacy), "npz", {END_RECORD - 1, END_RECORD, END_RECORD + 1})]
@@ -254,7 +265,7 @@ def test_truncated_and_extended_files_are_refused(intact: bytes, legacy: bytes,
             message = refusal(path, data[:cut])
             if cut == 0:
                 assert "empty (0 bytes)" in message, message
-            if 0 < cut < min(END_RECORD, DIGITS_AT):
+            if 0 < cut < END_RECORD:
                 assert "truncated" in message and "pickle" not in message, message
         for extra in (b"\0", b"x" * 100):
             refusal(path, data + extra)
@@ -265,9 +276,10 @@ def test_truncated_and_extended_files_are_refused(intact: bytes, legacy: bytes,
 def forge_safetensors(tensors: dict[str, tuple[str, list[int], bytes]], meta: bytes,
                       checksum: bool = True, **header: Any) -> bytes:
     """A checkpoint-shaped safetensors file: ``tensors`` (name: (dtype code, shape,
-    bytes)) laid out one after the other, ``meta`` as mpitrain's metadata, ``header``
-    replacing entries of the header as they are, and the checksum mpitrain writes (a
-    CRC-32 of every byte but its 8 hex digits)."""
+    bytes)) laid out one after the other, ``meta`` as mpitrain's metadata (after the
+    checksum, as mpitrain wrote it before the library did), ``header`` replacing entries
+    of the header as they are, and the checksum mpitrain writes (a CRC-32 of every byte
+    but its 8 hex digits)."""
     table: dict[str, Any] = {"__metadata__": {"mpitrain.crc32": "00000000",
                                               "mpitrain": meta.decode()}}
     offset, data = 0, b""
@@ -276,11 +288,16 @@ def forge_safetensors(tensors: dict[str, tuple[str, list[int], bytes]], meta: by
         offset, data = offset + len(raw), data + raw
     table.update(header)
     text = json.dumps(table, separators=(",", ":")).encode()
-    file = bytearray(struct.pack("<Q", len(text)) + text + data)
-    if checksum:
-        crc = zlib.crc32(file[DIGITS_AT + 8:], zlib.crc32(file[:DIGITS_AT]))
-        file[DIGITS_AT:DIGITS_AT + 8] = b"%08x" % crc
-    return bytes(file)
+    file = struct.pack("<Q", len(text)) + text + data
+    return with_checksum(file) if checksum else file
+
+
+def with_checksum(data: bytes) -> bytes:
+    """Safetensors checkpoint ``data`` with the checksum mpitrain writes (a CRC-32 of
+    every byte but its 8 hex digits) replacing its own."""
+    at = checksum_at(data)
+    crc = zlib.crc32(data[at + 8:], zlib.crc32(data[:at]))
+    return data[:at] + b"%08x" % crc + data[at + 8:]
 
 
 def forge(entries: dict[str, bytes], checksum: bool = True) -> bytes:
@@ -320,8 +337,9 @@ def meta(state: Any, version: int = 1, **fields: Any) -> bytes:
 
 def test_safetensors_sizes_that_do_not_fit_the_file_are_refused_before_allocating(
         tmp_path: Path) -> None:
-    """Consistent lies (the checksum matches): each is caught by a size or structure
-    check, within a few times the file's size of memory."""
+    """Consistent lies (the checksum matches): each is caught by the safetensors
+    library's checks of the format (LIBRARY) or by mpitrain's of its metadata, within
+    a few times the file's size of memory."""
     path = tmp_path / "ckpt-000000001.safetensors"
     ref = meta_json({"__array__": {"key": "w"}})
     eight = ("F64", [1], bytes(8))
@@ -329,29 +347,30 @@ def test_safetensors_sizes_that_do_not_fit_the_file_are_refused_before_allocatin
     def refused(tensors: dict[str, Any], metadata: bytes = ref, **header: Any) -> str:
         return refusal(path, forge_safetensors(tensors, metadata, **header))
 
-    assert "declares 8 bytes" in refused({"w": ("F64", [200000000000], bytes(8))})
+    assert LIBRARY in refused({"w": ("F64", [200000000000], bytes(8))})  # shape vs offsets
     huge = {"dtype": "F64", "shape": [200000000000], "data_offsets": [0, 1600000000000]}
-    assert "the file 0 after its header" in refused({}, w=huge)
-    assert "overlap or leave a gap" in refused(
+    assert LIBRARY in refused({}, w=huge)  # offsets past the end of the file
+    assert LIBRARY in refused(  # overlapping tensors
         {"w": eight}, x={"dtype": "U8", "shape": [8], "data_offsets": [0, 8]})
-    assert "overlap or leave a gap" in refused(
+    assert LIBRARY in refused(  # a gap between tensors
         {"w": eight}, x={"dtype": "U8", "shape": [8], "data_offsets": [16, 24]})
-    for bad in ({"dtype": "F8_E4M3", "shape": [8], "data_offsets": [0, 8]},
-                {"dtype": "F64", "shape": [-1], "data_offsets": [0, 8]},
+    for bad in ({"dtype": "F64", "shape": [-1], "data_offsets": [0, 8]},
                 {"dtype": "F64", "shape": [1.0], "data_offsets": [0, 8]},
                 {"dtype": "F64", "shape": [1], "data_offsets": [8, 0]},
-                {"dtype": "F64", "shape": [1], "data_offsets": [0, 8], "x": 1},
+                {"dtype": "F65", "shape": [1], "data_offsets": [0, 8]},
+                {"dtype": "F64", "shape": [[[[[[1]]]]]], "data_offsets": [0, 8]},
                 [1, 2], "w"):
-        assert "tensor 'w'" in refused({}, w=bad), bad
-    deep_table = {"dtype": "F64", "shape": [[[[[[1]]]]]], "data_offsets": [0, 8]}
-    assert "header nests more than 3 levels" in refused({}, w=deep_table)
+        assert LIBRARY in refused({}, w=bad), bad
+    # a dtype of the format that mpitrain never writes
+    assert "tensor 'w' has the dtype 'F8_E4M3'" in refused({"w": ("F8_E4M3", [8], bytes(8))})
     deep = b"[" * 10000 + b"]" * 10000
     message = refused({"w": eight}, deep)
     assert f"metadata nests more than {checkpoint.MAX_DEPTH} levels" in message
     assert "names array 'w', which the file lacks" in refused({"x": eight})
-    for metadata in ({"mpitrain.crc32": "00000000"},
-                     {"mpitrain.crc32": "00000000", "mpitrain": {"format": 1}}):
-        assert "'mpitrain' metadata" in refused({"w": eight}, __metadata__=metadata)
+    assert "'mpitrain' metadata" in refused({"w": eight},
+                                            __metadata__={"mpitrain.crc32": "00000000"})
+    assert LIBRARY in refused({"w": eight}, __metadata__={"mpitrain.crc32": "00000000",
+                                                          "mpitrain": {"format": 1}})
     assert "not valid JSON" in refused({"w": eight}, b"{")
     assert "not an mpitrain checkpoint's" in refused({"w": eight}, b'{"format": 1}')
     for descr, shape in (("|O", [1]), ("|S0", [10 ** 10]), ("<f8", [2]), ("f8,f8", [1]),
@@ -362,7 +381,33 @@ def test_safetensors_sizes_that_do_not_fit_the_file_are_refused_before_allocatin
     # a header length (a u64) far past the end of the file: refused before it is read
     forged = bytearray(forge_safetensors({"w": eight}, ref))
     forged[:8] = struct.pack("<Q", (1 << 64) - 1)
-    assert "18446744073709551615-byte header" in refusal(path, bytes(forged))
+    assert LIBRARY in refusal(path, bytes(forged))
+
+
+def test_the_library_checks_the_structure_and_mpitrain_the_checksum(
+        intact: bytes, tmp_path: Path) -> None:
+    """What safetensors itself refuses, whatever the checksum says: a truncated header,
+    a header length past the end, an offset past the end, trailing bytes; and what only
+    the checksum catches: a change that leaves the structure valid."""
+    path = tmp_path / "ckpt-000000001.safetensors"
+    length = struct.unpack_from("<Q", intact)[0]
+    for cut in (3, 8 + length // 2, 8 + length - 1):  # inside the length, inside the header
+        assert LIBRARY in refusal(path, intact[:cut]), cut
+    longer = bytearray(intact)
+    longer[:8] = struct.pack("<Q", len(intact))  # one byte more than the file holds
+    assert LIBRARY in refusal(path, bytes(longer))
+    ref = meta_json({"__array__": {"key": "w"}})
+    past_end = {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}
+    assert LIBRARY in refusal(path, forge_safetensors({}, ref, w=past_end, x=past_end))
+    for extra in (b"\0", b"x" * 100):  # trailing bytes, with a matching checksum
+        assert LIBRARY in refusal(path, with_checksum(intact + extra))
+    renamed = intact.replace(b'"w":{', b'"v":{', 1)  # still a valid safetensors file
+    assert len(renamed) == len(intact) and renamed != intact
+    message = refusal(path, renamed)
+    assert "do not match their CRC-32" in message and LIBRARY not in message, message
+    data = bytearray(intact)
+    data[-1] ^= 0x01  # the last byte of the array data
+    assert "do not match their CRC-32" in refusal(path, bytes(data))
 
 
 def test_npz_sizes_that_do_not_fit_the_file_are_refused_before_allocating(
