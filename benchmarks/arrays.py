@@ -43,6 +43,9 @@ class Placement(Protocol):
     def get(self, arr: Any) -> np.ndarray[Any, Any]:
         """``arr`` as a host array."""
 
+    def settle(self) -> None:
+        """Wait until the device has done the work queued on the buffers so far."""
+
     def describe(self, comm: mt.Communicator) -> str:
         """One header line: where the buffers are and how they reach MPI."""
 
@@ -63,6 +66,9 @@ class HostPlacement:
     def get(self, arr: Any) -> np.ndarray[Any, Any]:
         """The array itself."""
         return np.asarray(arr)
+
+    def settle(self) -> None:
+        """Nothing: host work is done when it returns."""
 
     def describe(self, comm: mt.Communicator) -> str:
         """Host memory."""
@@ -109,6 +115,10 @@ class DevicePlacement:
     def get(self, arr: Any) -> np.ndarray[Any, Any]:
         """A host copy of ``arr``."""
         return np.asarray(self.cupy.asnumpy(arr))
+
+    def settle(self) -> None:
+        """Wait for every stream of this rank's GPU."""
+        self.device.synchronize()
 
     def describe(self, comm: mt.Communicator) -> str:
         """The GPU, CuPy's version and the transfer policy with how it was decided."""

@@ -121,11 +121,14 @@ def run_order(keys: Sequence[Key], rep: int) -> list[Key]:
 
 def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
                barrier: Callable[[], None], budget: float = 0.0,
-               slowest: Callable[[float], float] = float) -> dict[Key, list[float]]:
+               slowest: Callable[[float], float] = float,
+               settle: Callable[[], None] = lambda: None) -> dict[Key, list[float]]:
     """Run every call ``warmup`` times, then time ``iters`` interleaved repetitions.
 
-    Each repetition runs every call once, in :func:`run_order`'s order. A reset and a
-    barrier precede each run; only the run is timed. With a ``budget`` (seconds), the
+    Each repetition runs every call once, in :func:`run_order`'s order. A reset, a
+    ``settle`` (device buffers: wait for the reset's queued copies, which a call that
+    synchronizes its stream on entry would otherwise time) and a barrier precede each
+    run; only the run is timed. With a ``budget`` (seconds), the
     repetitions are cut to what the last warm-up round says fits in it (at least
     ``MIN_ITERS``); ``slowest`` turns this rank's estimate into every rank's (the
     maximum over ranks), so that every rank runs as many.
@@ -139,6 +142,7 @@ def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
         start = time.perf_counter()
         for key in keys:
             calls[key].reset()
+            settle()
             barrier()
             calls[key].run()
         round_seconds = time.perf_counter() - start
@@ -150,6 +154,7 @@ def time_calls(calls: dict[Key, Call], iters: int, warmup: int,
         for key in run_order(keys, rep):
             call = calls[key]
             call.reset()
+            settle()
             barrier()
             start = time.perf_counter()
             call.run()

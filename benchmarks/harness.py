@@ -8,7 +8,8 @@ variant (out-of-place, in-place). Then, per size:
 * *warm-up*: every call runs ``-w`` times;
 * *timing*: ``-n`` repetitions, each running every call once, interleaved (A B A B,
   in an order drawn anew for each repetition, the same on every rank); a barrier
-  precedes every run and only the run is timed, with ``time.perf_counter``. Each rank
+  precedes every run (device buffers: after the device has finished the reset of the
+  run's buffers) and only the run is timed, with ``time.perf_counter``. Each rank
   takes the median (and the min, mean and max) of its own times; the time reported is the
   **maximum over ranks of each rank's median** (min, avg and max likewise: printed as a
   second table after the first, as OSU's benchmarks print them), so a size is as slow
@@ -332,10 +333,11 @@ def measure(opts: Options, case: Case, comm: mt.Communicator, world: MPI.Intraco
     extra = np.zeros(len(calls))
     for i, call in enumerate(calls.values()):
         call.reset()
+        placement.settle()
         world.Barrier()
         extra[i] = memory.peak_extra(call.run)
     times = time_calls(calls, opts.iters, opts.warmup, world.Barrier, opts.budget,
-                       lambda t: world.allreduce(t, op=MPI.MAX))
+                       lambda t: world.allreduce(t, op=MPI.MAX), placement.settle)
     expected = coll.expected(case)
     wrong = np.array([count_wrong(call, expected, placement.get) for call in calls.values()],
                      dtype=np.int64)

@@ -219,6 +219,17 @@ def test_time_calls_runs_in_run_order() -> None:
     assert ran == want
 
 
+def test_each_run_is_timed_after_its_reset_has_settled() -> None:
+    from benchmarks.hooks import Call
+
+    events: list[str] = []
+    calls = {(name, False): Call(lambda: events.append("run"),
+                                 lambda: events.append("reset")) for name in "ab"}
+    common.time_calls(calls, iters=2, warmup=1, barrier=lambda: events.append("barrier"),
+                      settle=lambda: events.append("settle"))
+    assert events == ["reset", "settle", "barrier", "run"] * 6
+
+
 def test_budget_cuts_repetitions_but_not_below_three() -> None:
     import time as clock
 

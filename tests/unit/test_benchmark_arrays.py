@@ -38,6 +38,12 @@ class FakePlacement:
     name = "fake"
     is_device = True
 
+    def __init__(self) -> None:
+        self.settled = 0
+
+    def settle(self) -> None:
+        self.settled += 1
+
     def put(self, host: np.ndarray[Any, Any]) -> FakeDeviceArray:
         return to_device(host)
 
@@ -83,12 +89,15 @@ def test_measure_on_device_buffers(name: str, monkeypatch: pytest.MonkeyPatch) -
     argv = [name, "-n", "2", "-w", "1", "--algorithm", "auto,ring" if name != "broadcast"
             else "auto", "--array", "cupy"]
     opts = harness.parse_args(argv, 1)
+    placement = FakePlacement()
     with fake_backend(seed=3):
         results = []
         for count in (1, 1000):
             case = Case(count, opts.dtype, opts.op, opts.root, 0, 1)
-            results += harness.measure(opts, case, comm, world, placement=FakePlacement())
+            results += harness.measure(opts, case, comm, world, placement=placement)
     assert results and all(r.wrong == 0 for r in results)
+    # every run (the cold one, warm-up, timed) waits for its reset's device work
+    assert placement.settled == len(results) * (1 + 1 + 2)
     assert "mpi" in {r.impl for r in results} and len({r.impl for r in results}) >= 2
     world.Free()
     comm.free()
