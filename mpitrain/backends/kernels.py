@@ -185,18 +185,27 @@ def _multiprocessors(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+@functools.cache
+def _function(name: str, expression: str, device_id: int) -> Any:
+    return module(name, device_id).get_function(expression)
+
+
 def function(name: str, expression: str) -> Any:
-    """The kernel ``expression`` of source ``name`` on the current device."""
+    """The kernel ``expression`` of source ``name`` on the current device (memoized:
+    looking a kernel up costs more than launching it)."""
     import cupy
 
-    return module(name, cupy.cuda.Device().id).get_function(expression)
+    return _function(name, expression, cupy.cuda.Device().id)
 
 
-def grid(n: int) -> int:
-    """Blocks for ``n`` elements: enough to cover them, at most 32 per multiprocessor."""
-    import cupy
+def grid(n: int, device_id: int | None = None) -> int:
+    """Blocks for ``n`` elements: enough to cover them, at most 32 per multiprocessor
+    of ``device_id`` (default: the current device)."""
+    if device_id is None:
+        import cupy
 
-    return max(1, min(math.ceil(n / BLOCK), 32 * _multiprocessors(cupy.cuda.Device().id)))
+        device_id = cupy.cuda.Device().id
+    return max(1, min(math.ceil(n / BLOCK), 32 * _multiprocessors(device_id)))
 
 
 def integer_divisor(factor: float) -> int:
@@ -214,24 +223,39 @@ def has_kernel(dtype: np.dtype[Any]) -> bool:
     return dtype_name(dtype) in CTYPES
 
 
+@functools.cache
 def dtype_name(dtype: np.dtype[Any]) -> str:
-    """The name of ``dtype`` in :data:`CTYPES` (``bfloat16`` for ml_dtypes' type)."""
+    """The name of ``dtype`` in :data:`CTYPES` (``bfloat16`` for ml_dtypes' type;
+    memoized: comparing with that type is slow)."""
     return "bfloat16" if BFLOAT16 is not None and dtype == BFLOAT16 else str(dtype)
 
 
+_UNSCALED = (np.float64(1.0), np.int64(0))
+
+
 def _scale_args(dtype: np.dtype[Any], factor: float) -> tuple[Any, Any]:
+    if factor == 1.0:
+        return _UNSCALED
     divisor = integer_divisor(factor) if dtype.kind in "iu" else 0
     return np.float64(factor), np.int64(divisor)
 
 
+@functools.cache
+def _reduce_kernel(dtype: np.dtype[Any], op: ReduceOp, scaled: bool, device_id: int) -> Any:
+    return _function("reduce", reduce_name(dtype_name(dtype), op.reduction, scaled), device_id)
+
+
 def reduce(dst: Any, a: Any, b: Any, op: ReduceOp, factor: float = 1.0) -> None:
     """``dst = (a <op> b) * factor`` on the current stream (flat contiguous cupy arrays)."""
+    import cupy
+
     n = dst.size
     if n == 0:
         return
-    scaled = factor != 1.0
-    kernel = function("reduce", reduce_name(dtype_name(dst.dtype), op.reduction, scaled))
-    kernel((grid(n),), (BLOCK,), (dst, a, b, np.int64(n), *_scale_args(dst.dtype, factor)))
+    device_id = cupy.cuda.Device().id
+    kernel = _reduce_kernel(dst.dtype, op, factor != 1.0, device_id)
+    kernel((grid(n, device_id),), (BLOCK,), (dst, a, b, np.int64(n),
+                                            *_scale_args(dst.dtype, factor)))
 
 
 def scale(dst: Any, src: Any, factor: float) -> None:
