@@ -38,6 +38,7 @@ from .tensors import (
     host_copy,
     host_view,
     producer_stream,
+    require_tensor,
     to_device_of,
 )
 
@@ -316,6 +317,8 @@ def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
     before the reduction; postscale, and Average's ``1/size``, after it) as
     :func:`_scale_` does (Average over ``ranks`` ranks); the engine then only reduces.
     Otherwise the engine scales."""
+    for tensor in tensors:
+        require_tensor(tensor)
     try:  # the engine's rule (anything float() takes), checked here: the adapter may scale
         prescale, postscale = float(prescale), float(postscale)
     except (TypeError, ValueError):
@@ -444,7 +447,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     with _refusing(_comm(process_set), "allreduce", name):
         rop = _reduce_op(op, average)
-        compressed, ctx = compression.compress(tensor)
+        compressed, ctx = compression.compress(require_tensor(tensor))
     summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor,
                               process_set)
     return compression.decompress(summed, ctx)
@@ -536,7 +539,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """Allreduce every tensor in one fused operation into new tensors (differentiable)."""
     with _refusing(_comm(process_set), "grouped_allreduce", name):
         rop = _reduce_op(op, average)
-        packed = [compression.compress(t) for t in tensors]
+        packed = [compression.compress(require_tensor(t)) for t in tensors]
     if not packed:
         return []
     reduced = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
@@ -592,8 +595,9 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 process_set: ProcessSet) -> torch.Tensor:
+        handle = allgather_async(tensor, name, process_set)  # checks it on every rank
         ctx.shape, ctx.process_set = tensor.shape, process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -620,6 +624,7 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
                      inplace: bool, process_set: ProcessSet | None) -> int:
     comm = _comm(process_set)
     with _refusing(comm, "broadcast", name):
+        require_tensor(tensor)
         root = _sets.set_rank(process_set, root_rank, "broadcast")
         work = tensor if not inplace or tensor.is_contiguous() else tensor.contiguous()
         buffer = as_buffer(work)
@@ -763,7 +768,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     times the rank count for ``Sum``.
     """
     with _refusing(_comm(process_set), "reduce_scatter", name):
-        compressed, ctx = compression.compress(tensor)
+        compressed, ctx = compression.compress(require_tensor(tensor))
         rop = parse_op(op)
     block = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor,
                                  process_set)
@@ -835,7 +840,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 # -- alltoall -------------------------------------------------------------------------
 def _check_splits(tensor: torch.Tensor, splits: Any, n: int) -> np.ndarray[Any, Any]:
     """The rows ``tensor`` sends to each of ``n`` ranks."""
-    if tensor.dim() == 0:
+    if require_tensor(tensor).dim() == 0:
         raise ArgumentError(f"rank {rank()}: alltoall splits dim 0, but got a 0-d tensor; "
                             "pass tensor.reshape(1)")
     rows = tensor.shape[0]

@@ -98,11 +98,17 @@ def device_of(tensor: torch.Tensor) -> DeviceTensors | None:
     return None
 
 
+def require_tensor(tensor: Any) -> torch.Tensor:
+    """``tensor`` if it is a :class:`torch.Tensor`, else a :class:`~mpitrain.DtypeError`
+    that names what it is (the check of every collective's tensor arguments)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise DtypeError(f"expected a torch.Tensor, got {type(tensor).__name__}: {tensor!r:.60}")
+    return tensor
+
+
 def as_buffer(tensor: torch.Tensor) -> Any:
     """A zero-copy array view of ``tensor``'s memory that the comm layer accepts."""
-    if not isinstance(tensor, torch.Tensor):
-        raise DtypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    t = tensor.detach()
+    t = require_tensor(tensor).detach()
     if t.is_sparse:
         raise DtypeError("sparse tensors cannot be reduced directly; use "
                          "DistributedOptimizer(sparse_as_dense=True) or tensor.to_dense()")

@@ -96,6 +96,36 @@ def test_allreduce_errors() -> None:
     check(torch.equal(hvd.allreduce(x, op=hvd.Sum), total()), "usable after errors")
 
 
+def test_a_non_tensor_on_one_rank_fails_every_rank() -> None:
+    """The last rank passes a string where a tensor belongs: it gets a DtypeError that
+    names it (no internal error shown before it), and every other rank raises too
+    instead of waiting for it."""
+    bad = hvd.rank() == hvd.size() - 1
+    calls = {
+        "allreduce": lambda x: hvd.allreduce(x),
+        "allreduce_async": lambda x: hvd.synchronize(hvd.allreduce_async(x, name="nt")),
+        "allreduce with fp16": lambda x: hvd.allreduce(x, compression=hvd.Compression.fp16),
+        "grouped_allreduce": lambda x: hvd.grouped_allreduce([rank_tensor(), x]),
+        "allgather": lambda x: hvd.allgather(x),
+        "grouped_allgather": lambda x: hvd.grouped_allgather([rank_tensor(), x]),
+        "broadcast": lambda x: hvd.broadcast(x, 0),
+        "broadcast_": lambda x: hvd.broadcast_(x, 0),
+        "reducescatter": lambda x: hvd.reducescatter(x),
+        "grouped_reducescatter": lambda x: hvd.grouped_reducescatter([rank_tensor(), x]),
+        "alltoall": lambda x: hvd.alltoall(x),
+    }
+    for what, call in calls.items():
+        with pytest.raises(mt.MpitrainError) as info:
+            call("not a tensor" if bad else rank_tensor())
+        error = info.value
+        shown = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        assert shown is None, f"{what}: {error!r} shown after {shown!r}"
+        if bad:
+            assert isinstance(error, mt.DtypeError), f"{what}: {error!r}"
+            assert "expected a torch.Tensor, got str" in str(error), f"{what}: {error}"
+    check(torch.equal(hvd.allreduce(rank_tensor(), op=hvd.Sum), total()), "usable after")
+
+
 @pytest.mark.host_only("checks the numpy view of CPU tensors")
 @pytest.mark.mpi(min_size=2)
 def test_allreduce_in_place_lands_in_the_tensor() -> None:
