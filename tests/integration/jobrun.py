@@ -48,10 +48,20 @@ def launcher(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "mpitrain.run", *args]
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT, SIGTERM and SIGHUP at their defaults, as in a job started from a terminal:
+    a test runner started in the background of a shell has SIGINT ignored, which the job
+    would inherit (and keep ignored, as ``mpitrain-run`` keeps a ``nohup``)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start(cmd: list[str], **env: str) -> subprocess.Popen[str]:
-    """Start ``cmd`` in a session of its own (so a timeout can kill every rank)."""
+    """Start ``cmd`` in a session of its own (so a timeout can kill every rank), with the
+    signals' dispositions of a terminal's job."""
     return subprocess.Popen(cmd, env=environment(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
 
 
 def descendants(pid: int) -> list[int]:
