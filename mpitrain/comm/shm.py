@@ -71,6 +71,20 @@ StallHook = Callable[[float, list[int]], None]
 yield_cpu: Callable[[], None] = os.sched_yield if hasattr(os, "sched_yield") \
     else (lambda: time.sleep(0))
 """Give the core to another runnable thread or process (releases the GIL)."""
+SPIN_S = 0.002
+"""How long a wait tests without sleeping: an MPI wait of an interruptible transport,
+and a barrier of ranks that share cores (which yields the core between tests)."""
+MAX_PAUSE_S = 0.005
+"""Longest sleep between two tests of a wait that has gone on past :data:`SPIN_S`."""
+
+
+def next_pause(pause: float) -> float:
+    """The sleep between the next two tests of a long wait that slept ``pause`` last
+    (0: the first): doubling from 10 us up to :data:`MAX_PAUSE_S`. A rank that waits
+    for a late one on cores they share sleeps rather than yields: yielding keeps it
+    runnable, and four ranks yielding on two cores left the late one a fraction of a
+    core, so it came tens of seconds late (long enough for a stall error)."""
+    return min(2 * pause + 1e-5, MAX_PAUSE_S)
 
 
 def _align(nbytes: int) -> int:
@@ -220,25 +234,39 @@ class SharedMemory:
         self.win.Sync()
 
     def _poll(self, target: int) -> None:
+        """Wait for barrier ``target``: spin (on cores of its own: 64 tests, then yield
+        between tests), or, where ranks share cores, yield between tests for
+        :data:`SPIN_S`, then sleep between them (:func:`next_pause`). The stall hook
+        hears of the wait every :attr:`stall_seconds`."""
         flags = self.flags
         spin = not self.oversubscribed
         polls = 0
-        start = 0.0
+        begun = start = 0.0  # when the wait, and the current stall period, began
+        pause = 0.0
         waiter = self.waiter
         if waiter is not None:
             waiter.waiting = True
         try:
             while min(flags) < target:
                 polls += 1
-                if not spin or polls > 64:
+                if pause:
+                    time.sleep(pause)
+                    pause = next_pause(pause)
+                elif not spin or polls > 64:
                     yield_cpu()
-                if polls & 0x3FFF == 0:
-                    now = time.monotonic()
-                    if start == 0.0:
-                        start = now
-                    elif self.stall_hook is not None and now - start >= self.stall_seconds:
-                        self.stall_hook(now - start, self.missing(target))
-                        start = now
+                    if polls & 0xFF:
+                        continue
+                else:
+                    continue
+                now = time.monotonic()
+                if begun == 0.0:
+                    begun = start = now
+                    continue
+                if not spin and not pause and now - begun >= SPIN_S:
+                    pause = next_pause(0.0)
+                if self.stall_hook is not None and now - start >= self.stall_seconds:
+                    self.stall_hook(now - start, self.missing(target))
+                    start = now
         finally:
             if waiter is not None:
                 waiter.waiting = False

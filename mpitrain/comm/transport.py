@@ -22,22 +22,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from mpi4py import MPI
 
 from ..errors import StallError
 from .inspector import Inspector, StallLimits, abort, warn
-
-if TYPE_CHECKING:
-    from .shm import SharedMemory
+from .shm import SPIN_S, SharedMemory, next_pause
 
 Request = MPI.Request
 
-_SPIN_S = 0.002
-"""An interruptible wait spins on Test this long before it starts to sleep."""
-_MAX_PAUSE_S = 0.005
-"""Longest sleep between two Tests of an interruptible wait."""
 
 SYNCHRONOUS_SENDS = False
 """Test knob: post this transport's sends as ``MPI_Issend`` (``MPI_Ssend`` when
@@ -281,9 +275,9 @@ class Transport:
             waited = time.monotonic() - start
             if waited >= self.inspector.timeout_s:
                 raise self.stalled(waited)
-            if waited > _SPIN_S:
+            if waited > SPIN_S:
                 time.sleep(pause)
-                pause = min(2 * pause + 1e-5, _MAX_PAUSE_S)
+                pause = next_pause(pause)
 
     def stalled(self, waited: float) -> StallError:
         """Break the transport after a wait of ``waited`` s: the StallError to raise."""

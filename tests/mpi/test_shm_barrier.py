@@ -1,8 +1,8 @@
 """The shared-memory barrier (mpitrain.comm.shm): ``agree`` and ``barrier`` on the
 compiled counters, on the interpreter's code, and with both on different ranks, under
 skewed arrivals: what a rank stored before a barrier is what the others read after it,
-a different fingerprint is seen by every rank, and the parities never overwrite data
-that a slower rank still reads."""
+a different fingerprint is seen by every rank, the parities never overwrite data
+that a slower rank still reads, and a long wait on shared cores sleeps."""
 
 from __future__ import annotations
 
@@ -105,3 +105,23 @@ def assert_all_ranks_raw(shm: SharedMemory, ok: bool, message: str) -> None:
     failed = MPI.COMM_WORLD.allgather(None if ok else f"rank {shm.rank}: {message}")
     bad = [f for f in failed if f is not None]
     assert not bad, "; ".join(bad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_share_cores_sleep_through_a_long_wait(shm: SharedMemory) -> None:
+    """Where the ranks share cores, a rank that waits long for a late one sleeps between
+    tests instead of yielding (a yielding rank stays runnable and takes the cores the
+    late rank needs): over a 0.6 s wait it uses a small part of a core."""
+    shm.oversubscribed, shm.polls = True, 0
+    late = shm.size - 1
+    MPI.COMM_WORLD.Barrier()
+    if shm.rank == late:
+        time.sleep(0.6)
+        shm.barrier()
+        assert_all_ranks_raw(shm, True, "")
+        return
+    wall, cpu = time.monotonic(), time.process_time()
+    shm.barrier()
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    assert_all_ranks_raw(shm, cpu < 0.25 * wall,
+                         f"waited {wall:.2f} s for rank {late}, using {cpu:.2f} s of CPU")
