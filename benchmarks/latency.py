@@ -1,11 +1,13 @@
 """Small-message latency: mpitrain's blocking allreduce and barrier against native MPI.
 
 ``mpitrain-run -np 2 python -m benchmarks.latency`` times, per size, ``comm.allreduce(x)``,
-``comm.allreduce_(y)`` and mpi4py's ``MPI.COMM_WORLD.Allreduce`` into a preallocated
-output, then ``comm.barrier()`` and ``MPI.COMM_WORLD.Barrier()``, interleaved (A B A B
-...: one block of ``--iters`` calls of each in turn, ``--blocks`` times), so that a
-disturbance of a shared machine hits every variant alike. It prints the median time
-per call over the blocks and its ratio to the native call (rank 0's clock).
+``comm.allreduce_(y)``, ``comm.allreduce_async(x).wait()`` (the async engine's round
+trip: submission, negotiation, the run, the handle) and mpi4py's
+``MPI.COMM_WORLD.Allreduce`` into a preallocated output, then ``comm.barrier()`` and
+``MPI.COMM_WORLD.Barrier()``, interleaved (A B A B ...: one block of ``--iters`` calls
+of each in turn, ``--blocks`` times), so that a disturbance of a shared machine hits
+every variant alike. It prints the median time per call over the blocks and its ratio
+to the native call (rank 0's clock).
 
 Every allreduce is checked: the inputs are the crafted values of the collective
 benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
@@ -59,7 +61,7 @@ class Case:
 
 def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
                     iters: int) -> dict[str, Case]:
-    """The three allreduce variants of one size, each checked against the exact sum."""
+    """The four allreduce variants of one size, each checked against the exact sum."""
     count = max(nbytes // DTYPE.itemsize, 1)
     x = crafted(world.rank, 0, count, DTYPE, "sum")
     want = reduced(world.size, 0, count, DTYPE, "sum")
@@ -77,6 +79,14 @@ def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
     def forget() -> None:
         results[:] = [None] * iters
 
+    engine_results: list[Any] = [None] * iters
+
+    def waited(i: int) -> None:
+        engine_results[i] = comm.allreduce_async(x).wait()
+
+    def forget_waited() -> None:
+        engine_results[:] = [None] * iters
+
     buffers = [np.empty_like(x) for _ in range(iters)]  # one per call: no sum of sums
 
     def in_place(i: int) -> None:
@@ -90,6 +100,8 @@ def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
     return {
         f"mpitrain allreduce {size}": Case(plain, forget, lambda: wrong(results)),
         f"mpitrain allreduce_ {size}": Case(in_place, reset_buffers, lambda: wrong(buffers)),
+        f"mpitrain allreduce_async {size}": Case(waited, forget_waited,
+                                                 lambda: wrong(engine_results)),
         f"MPI Allreduce {size}": Case(lambda i: world.Allreduce(x, z), lambda: poison(z),
                                       lambda: wrong([z])),
     }

@@ -19,8 +19,9 @@ where a call is validated and its plan run. The blocking methods of
 :class:`~mpitrain.Communicator` are the public methods here (small host calls first try
 the fast path of :mod:`.fastpath`); the async engine owns a dispatcher of its own,
 checks each submission with the same :class:`~.checks.Checks`, and runs what every rank
-submitted through :meth:`execute` (or :meth:`allreduce_flat` for a fusion bucket)
-without validating again: its negotiation has compared the submissions.
+submitted through :meth:`run_small` (the fast path's plans), else :meth:`execute` (or
+:meth:`allreduce_flat` for a fusion bucket); that dispatcher does not validate
+(``validates=False``): the engine's negotiation has compared the submissions.
 
 Everything the dispatcher reads of the configuration is in its
 :class:`~mpitrain.config.Settings` (read once per communicator; :meth:`configure`
@@ -108,9 +109,13 @@ class Dispatcher:
         settings: the communicator's settings (validation, shared memory, stall limits,
             algorithm, segments, ...), read once; the ranks must agree on those of
             :data:`~mpitrain.config.AGREED` (compared here: MismatchError on every rank).
+        validates: compare each call across ranks (the signature in the exchange that
+            opens it; allgather always, the others where checking is on). ``False`` for
+            a caller that compares the calls itself before they run (the async engine's
+            negotiation): no call carries a signature then, on any path.
     """
 
-    def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
+    def __init__(self, comm: MPI.Intracomm, settings: Settings, validates: bool = True) -> None:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise ArgumentError(f"mpitrain.Communicator needs an MPI intracommunicator, got "
                                 f"{comm!r}")
@@ -128,6 +133,7 @@ class Dispatcher:
         if self.shm is not None:
             self.transport.watch(self.shm)
         self.validator = Validator(self.transport, self.shm)
+        self.validates = validates
         self.links = DeviceLinks(self.transport, self.topology, self.shm, settings.device_links)
         self.checks = Checks(self.rank, self.size, self._check_algorithm)
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
@@ -211,8 +217,8 @@ class Dispatcher:
     @property
     def checking(self) -> bool:
         """Whether calls are validated (``MPITRAIN_CHECK``, or the communicator's
-        ``check=``)."""
-        return self.settings.check
+        ``check=``, on a dispatcher that :attr:`validates`)."""
+        return self.validates and self.settings.check
 
     # -- algorithm choice --------------------------------------------------------------
     def algorithms(self, collective: str) -> list[str]:
@@ -345,28 +351,27 @@ class Dispatcher:
 
     # -- checked calls -----------------------------------------------------------------
     def execute(self, call: Call, arr: Array, *, out: Array | None = None,
-                name: str | None = None, stream: Any = None, validate: bool = True) -> Array:
+                name: str | None = None, stream: Any = None) -> Array:
         """Run a checked call (:class:`~.checks.Call`) on ``arr``, the array of its input
         (for an in-place call, the one to write into), inside the backend's stream scope.
 
         The one entry point of every blocking call's general path and of every
         operation the async engine runs alone (a fused bucket goes to
         :meth:`allreduce_flat`). ``out``: an array to write the result into (checked
-        here; allreduce, reduce_scatter, allgather). ``validate``: compare the call
-        across ranks first (when checking is on); the engine passes ``False``, because
-        its negotiation has compared every rank's submission of the operation already.
+        here; allreduce, reduce_scatter, allgather). The call is compared across ranks
+        first where the dispatcher :attr:`validates`.
 
         Returns:
             The result: ``arr`` in place (or ``out``), else a new array.
         """
         with call.backend.scope(arr, stream):
             if call.collective == "allreduce":
-                return self._allreduce(call, arr, out, name, validate)
+                return self._allreduce(call, arr, out, name)
             if call.collective == "reduce_scatter":
-                return self._reduce_scatter(call, arr, out, name, validate)
+                return self._reduce_scatter(call, arr, out, name)
             if call.collective == "allgather":
-                return self._allgather(call, arr, out, name, validate)
-            return self._broadcast(call, arr, name, validate)
+                return self._allgather(call, arr, out, name)
+            return self._broadcast(call, arr, name)
 
     # -- allreduce ---------------------------------------------------------------------
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, algorithm: str | None = None,
@@ -433,7 +438,8 @@ class Dispatcher:
         the call needs the general path (which also raises for invalid input).
 
         A reduction needs an ``op``; an allgather (``op`` ``None``) is chosen by its
-        gathered size, as if every rank sent ``x``'s rows, and is always validated."""
+        gathered size, as if every rank sent ``x``'s rows, and is validated wherever the
+        dispatcher :attr:`validates` (the general path's rule)."""
         if x.ndim < kind.min_ndim:
             return None
         try:
@@ -463,21 +469,21 @@ class Dispatcher:
                 return None  # a table that may pick it needs every rank's block address
             sig: Signature | None = signature(
                 kind.collective, "", dtype_name(dt), shape[1:], True, -1, 1.0, 1.0, "",
-                (algorithm or self.settings.algorithm).lower())
+                (algorithm or self.settings.algorithm).lower()) if self.validates else None
         else:
             sig = signature(kind.collective, rop.value, dtype_name(dt), shape or (x.size,),
                             False, -1, 1.0, 1.0, "", alg) if self.checking else None
         return kind(self.transport, shm, self.validator, dt, shape, rop, sig)
 
-    def _allreduce(self, call: Call, arr: Array, out: Array | None, name: str | None,
-                   validate: bool) -> Array:
+    def _allreduce(self, call: Call, arr: Array, out: Array | None,
+                   name: str | None) -> Array:
         be, dt, op = call.backend, call.dtype, call.op
         assert op is not None
         if call.inplace:
             work = be.ascontiguous(arr)
             flat = be.flat(work)
             self.allreduce_flat(be, flat, flat, dt, op, call.algorithm, call.prescale,
-                                call.postscale, name, arr.shape, validate)
+                                call.postscale, name, arr.shape)
             if work is not arr:
                 be.copy_into(arr, work)
             return arr
@@ -488,19 +494,19 @@ class Dispatcher:
             result = self.checks.out(be, out, arr.shape, dt, "allreduce")
         src = be.ascontiguous(arr)
         self.allreduce_flat(be, be.flat(src), be.flat(result), dt, op, call.algorithm,
-                            call.prescale, call.postscale, name, arr.shape, validate)
+                            call.prescale, call.postscale, name, arr.shape)
         return result if out is None else out
 
     def allreduce_flat(self, be: ArrayBackend, src: Array, out: Array, dt: np.dtype[Any],
                        op: ReduceOp, algorithm: str | None, prescale: float,
                        postscale: float, name: str | None = None,
-                       shape: tuple[int, ...] | None = None, validate: bool = True) -> str:
+                       shape: tuple[int, ...] | None = None) -> str:
         """Allreduce of flat contiguous arrays of a checked call (the entry point of
         fused buffers too, which may be :class:`~mpitrain.algorithms.pieces.Pieces`
         where :meth:`takes_pieces` says so).
 
         ``name`` and ``shape`` (default: the flat shape) only enter validation, which
-        runs if ``validate`` and checking is on.
+        runs where checking is on (:attr:`checking`).
 
         Returns:
             The name of the algorithm that ran.
@@ -521,7 +527,7 @@ class Dispatcher:
             self.transport.begin("allreduce")
             sig = signature("allreduce", op.value, dtype_name(dt), shape or (count,), False, -1,
                             prescale, postscale, name or "", alg) \
-                if validate and self.checking else None
+                if self.checking else None
             self.run_plan("allreduce", alg, be, dt, op.reduction, (count,), 0, sig, src, out,
                           scale)
         return alg
@@ -553,8 +559,8 @@ class Dispatcher:
         use; ``None`` if the call needs the general path."""
         return self._small_plan(self._small_rs, SmallReduceScatter, x, op, algorithm)
 
-    def _reduce_scatter(self, call: Call, arr: Array, out: Array | None, name: str | None,
-                        validate: bool) -> Array:
+    def _reduce_scatter(self, call: Call, arr: Array, out: Array | None,
+                        name: str | None) -> Array:
         be, dt, rop = call.backend, call.dtype, call.op
         assert rop is not None
         row = row_size(arr.shape)
@@ -578,7 +584,7 @@ class Dispatcher:
             self.transport.begin("reduce_scatter")
             sig = signature("reduce_scatter", rop.value, dtype_name(dt), arr.shape, False, -1,
                             prescale, postscale, name or "", alg) \
-                if validate and self.checking else None
+                if self.checking else None
             self.run_plan("reduce_scatter", alg, be, dt, rop.reduction, (count, row), 0, sig,
                           src, result, scale)
         return result.reshape(shape) if out is None else out
@@ -593,16 +599,55 @@ class Dispatcher:
             small = self._small_ag[key] if key in self._small_ag else \
                 self.small_allgather(x, algorithm)
             if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
-                result = small.allgather(x, out)
-                if result is not None:
-                    return result
-                # the ranks' rows differ from the plan's: finish from the same exchange
-                total = -1 if out is None else small.out_shape[0]
-                return self._gathered(NUMPY, np.ascontiguousarray(x).reshape(-1),
-                                      small.shape[1:], small.dtype, algorithm, out, total)
+                return self._small_allgather(small, x, out, algorithm)
         be, arr = self.checks.array(x, "allgather", False)
         call = self.checks.allgather(be, arr, algorithm)
         return self.execute(call, arr, out=out, name=name, stream=stream)
+
+    def _small_allgather(self, small: SmallAllgather, x: np.ndarray[Any, Any],
+                         out: Array | None, algorithm: str | None) -> Array:
+        """Run the fast-path plan of an allgather of ``x`` (into ``out``, which
+        :func:`~.fastpath.fits_out`); where the ranks' rows turn out not to be the plan's,
+        finish the call from the same exchange."""
+        result = small.allgather(x, out)
+        if result is not None:
+            return result
+        total = -1 if out is None else small.out_shape[0]
+        return self._gathered(NUMPY, np.ascontiguousarray(x).reshape(-1), small.shape[1:],
+                              small.dtype, algorithm, out, total)
+
+    def run_small(self, call: Call, arr: Array, out: Array | None = None) -> Array | None:
+        """Run a checked call (as :meth:`execute` would) on its fast-path plan
+        (:mod:`.fastpath`), where it has one: a numpy array, no scaling, and what the
+        plan needs (a small array on one node, ...); ``None`` where it has none (nothing
+        has run: :meth:`execute` runs the call). For a caller whose calls come checked
+        already, the async engine: the blocking methods find their plans before the
+        checks.
+
+        Returns:
+            The result, as :meth:`execute` returns it.
+        """
+        if type(arr) is not np.ndarray or call.prescale != 1.0 or call.postscale != 1.0:
+            return None
+        collective, op = call.collective, call.op
+        if collective == "allreduce" and op is not None:
+            small = self.small_allreduce(arr, op, call.algorithm)
+            if small is None or (call.inplace and not arr.flags.writeable):
+                return None
+            return small.allreduce(arr, arr if call.inplace else None)
+        if collective == "reduce_scatter" and op is not None:
+            small_rs = self.small_reduce_scatter(arr, op, call.algorithm)
+            if small_rs is None or (out is not None
+                                    and not fits_out(out, small_rs.out_shape, arr.dtype)):
+                return None
+            return small_rs.reduce_scatter(arr, out)
+        if collective == "allgather":
+            small_ag = self.small_allgather(arr, call.algorithm)
+            if small_ag is None or (out is not None
+                                    and not fits_out(out, small_ag.out_shape, arr.dtype)):
+                return None
+            return self._small_allgather(small_ag, arr, out, call.algorithm)
+        return None
 
     def small_allgather(self, x: np.ndarray[Any, Any],
                         algorithm: str | None = None) -> SmallAllgather | None:
@@ -611,8 +656,8 @@ class Dispatcher:
         ``None`` if the call needs the general path."""
         return self._small_plan(self._small_ag, SmallAllgather, x, None, algorithm)
 
-    def _allgather(self, call: Call, arr: Array, out: Array | None, name: str | None,
-                   validate: bool) -> Array:
+    def _allgather(self, call: Call, arr: Array, out: Array | None,
+                   name: str | None) -> Array:
         be, dt, algorithm = call.backend, call.dtype, call.algorithm
         if arr.ndim == 0:
             arr = arr.reshape(1)
@@ -637,7 +682,7 @@ class Dispatcher:
         # The exchange runs either way: it carries every rank's row count.
         agreed = trailing if out is None else (total, *trailing)
         sig = signature("allgather", "", dtype_name(dt), agreed, True, -1, 1.0, 1.0, name or "",
-                        requested) if validate else None
+                        requested) if self.validates else None
         # a small block rides the exchange in this rank's shared-memory slot, where the
         # call would run shm if every rank sent as many rows (ShmAllgather reads the
         # slots only if every rank's block is there)
@@ -686,7 +731,7 @@ class Dispatcher:
         self.execute(call, arr, name=name, stream=stream)
         return x
 
-    def _broadcast(self, call: Call, arr: Array, name: str | None, validate: bool) -> Array:
+    def _broadcast(self, call: Call, arr: Array, name: str | None) -> Array:
         be, dt = call.backend, call.dtype
         if call.inplace:
             buf = be.ascontiguous(arr)
@@ -699,7 +744,7 @@ class Dispatcher:
         if self.size > 1:
             self.transport.begin("broadcast")
             sig = signature("broadcast", "", dtype_name(dt), buf.shape, False, call.root, 1.0,
-                            1.0, name or "", alg) if validate and self.checking else None
+                            1.0, name or "", alg) if self.checking else None
             flat = be.flat(buf)
             self.run_plan("broadcast", alg, be, dt, None, (count,), call.root, sig, flat, flat)
         if call.inplace and buf is not arr:

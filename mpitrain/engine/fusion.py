@@ -142,9 +142,11 @@ class BucketRunner:
         if spec.grouped:  # an array of a group: the group's arguments, its own array
             call = dataclasses.replace(call, backend=entry.backend, dtype=entry.dtype,
                                        shape=tuple(a.shape))
-        # negotiation compared every rank's submission: no validation here
+        # negotiation compared every rank's submission: the dispatcher does not validate
         out = request.output if spec.kind == "allgather" else None  # allgather's out=
-        result = d.execute(call, a, out=out, validate=False)
+        result = d.run_small(call, a, out)
+        if result is None:
+            result = d.execute(call, a, out=out)
         if not spec.inplace:
             entry.output = result
         if not traced:
@@ -188,7 +190,7 @@ class BucketRunner:
         with be.scope(arrays[0]):  # checked at submission, compared by negotiation
             algorithm = self.dispatcher.allreduce_flat(be, src, buf, dt, spec.op,
                                                        spec.algorithm, spec.prescale,
-                                                       spec.postscale, validate=False)
+                                                       spec.postscale)
             unpacking = time.perf_counter()
             if not isinstance(buf, Pieces):  # (in place on pieces: already in the arrays)
                 _hand_out(be, items, arrays, buf, row)

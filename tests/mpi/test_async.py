@@ -305,6 +305,93 @@ def test_pending_work_after_a_waiting_caller_goes_on(comm: mt.Communicator) -> N
         assert_equal_all_ranks(comm, hb.wait(), np.full(2, 2 * comm.size, np.int64), "B")
 
 
+ROWS: dict[str, Callable[[int, int], int]] = {
+    "same rows": lambda q, n: 2,
+    "rank + 1 rows": lambda q, n: q + 1,
+    "none on the last rank": lambda q, n: 0 if q == n - 1 else 2,
+    "the last rank's over a slot": lambda q, n: 40000 if q == n - 1 else 1,
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rows", ROWS)
+def test_an_operation_alone_takes_the_fast_path(comm: mt.Communicator,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                rows: str) -> None:
+    """A small host operation that the engine runs alone goes to the blocking calls'
+    fast-path plan (on one node: one barrier, nothing validated twice), not through the
+    general path, and gives the same results; an allgather whose ranks send other rows
+    than a rank's plan is finished from the same exchange, and a rank on the general
+    path (its block does not fit a slot, or ``out=`` is not the plan's) meets the
+    others' plans."""
+    n, r = comm.size, comm.rank
+    d = comm.engine().dispatcher
+    general: list[str] = []
+    execute = d.execute
+
+    def counted(call: Any, *args: Any, **kwargs: Any) -> Any:
+        general.append(call.collective)
+        return execute(call, *args, **kwargs)
+    monkeypatch.setattr(d, "execute", counted)
+    x = crafted(r, 48, "float32", mt.Sum)
+    want = reference(n, 48, "float32", mt.Sum)
+    assert_equal_all_ranks(comm, comm.allreduce_async(x).wait(), want, "allreduce_async")
+    y = crafted(r, 48, "float32", mt.Average)
+    assert comm.allreduce_async_(y, op=mt.Average).wait() is y
+    assert_equal_all_ranks(comm, y, reference(n, 48, "float32", mt.Average),
+                           "allreduce_async_ Average")
+    assert_equal_all_ranks(comm, comm.reduce_scatter_async(x.reshape(12, 4)).wait(),
+                           np.array_split(want.reshape(12, 4), n)[r], "reduce_scatter_async")
+    count = ROWS[rows]
+    block = crafted(r, 3 * count(r, n), "int64", mt.Sum).reshape(-1, 3)
+    every = np.concatenate([crafted(q, 3 * count(q, n), "int64", mt.Sum).reshape(-1, 3)
+                            for q in range(n)])
+    assert_equal_all_ranks(comm, comm.allgather_async(block).wait(), every, "allgather_async")
+    out = np.zeros_like(every)
+    assert comm.allgather_async(block, out=out).wait() is out
+    assert_equal_all_ranks(comm, out, every, "allgather_async out=")
+    if d.shm is not None or n == 1:  # shared memory on one node, or one rank: plans
+        assert set(general) <= {"allgather"}, general
+        if rows == "same rows":
+            assert general == [], general
+
+
+@pytest.mark.mpi(min_size=2)
+def test_what_the_engine_runs_carries_no_signature(comm: mt.Communicator,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negotiation has compared every rank's submission: the engine's dispatcher
+    validates nothing again, on any path (checking on), while blocking calls do."""
+    d = comm.engine().dispatcher
+    assert comm.dispatcher.checking and not d.checking
+    sigs: list[Any] = []
+    run_plan, exchange = d.run_plan, d.validator.exchange
+
+    def planned(*args: Any) -> Any:
+        sigs.append(args[7])  # run_plan(collective, name, be, dt, op, shape, root, sig, ...)
+        return run_plan(*args)
+
+    def exchanged(sig: Any, **kwargs: Any) -> Any:
+        sigs.append(sig)
+        return exchange(sig, **kwargs)
+    monkeypatch.setattr(d, "run_plan", planned)
+    monkeypatch.setattr(d.validator, "exchange", exchanged)
+    n, r = comm.size, comm.rank
+    x = crafted(r, 100_000, "float32", mt.Sum)
+    want = reference(n, 100_000, "float32", mt.Sum)
+    for algorithm in ("ring", "mpi", "auto"):
+        assert_equal_all_ranks(comm, comm.allreduce_async(x, algorithm=algorithm).wait(),
+                               want, f"allreduce_async {algorithm}")
+        assert_equal_all_ranks(comm, comm.reduce_scatter_async(x, algorithm=algorithm).wait(),
+                               np.array_split(want, n)[r], f"reduce_scatter_async {algorithm}")
+        block = np.full((r + 1, 1000), r, np.int64)
+        every = np.concatenate([np.full((q + 1, 1000), q, np.int64) for q in range(n)])
+        assert_equal_all_ranks(comm, comm.allgather_async(block, algorithm=algorithm).wait(),
+                               every, f"allgather_async {algorithm}")
+        assert_equal_all_ranks(comm, comm.broadcast_async(x, root=n - 1).wait(),
+                               crafted(n - 1, 100_000, "float32", mt.Sum), "broadcast_async")
+    assert sigs and all(sig is None for sig in sigs), sigs
+
+
 @pytest.mark.mpi(min_size=1)
 def test_small_operations_are_fused(comm: mt.Communicator) -> None:
     before = comm.async_stats()
