@@ -210,14 +210,15 @@ def test_the_latency_benchmark_checks_its_results(comm: mt.Communicator,
         lines = [line for line in printed.splitlines() if not line.startswith("#")]
         assert [line.split(" us ")[0].rsplit(None, 1)[0] for line in lines] == [
             f"{impl} {n} B" for n in (4, 64) for impl in
-            ("mpitrain allreduce", "mpitrain allreduce_", "MPI Allreduce")] + [
+            ("mpitrain allreduce", "mpitrain allreduce_", "mpitrain allreduce_async",
+             "MPI Allreduce")] + [
             "mpitrain barrier", "MPI Barrier"]
         assert all(line.endswith("#wrong 0") for line in lines), printed
         assert "# Out of bounds values : 0 OK" in printed
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("method", ["allreduce", "allreduce_"])
+@pytest.mark.parametrize("method", ["allreduce", "allreduce_", "allreduce_async"])
 def test_the_latency_benchmark_fails_on_a_wrong_sum(comm: mt.Communicator,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str],
@@ -233,7 +234,7 @@ def test_the_latency_benchmark_fails_on_a_wrong_sum(comm: mt.Communicator,
         y = real(self, x, *args, **kwargs)
         calls[0] += 1
         if self.rank == self.size - 1 and calls[0] % 3 == 0:
-            y[-1] += 1
+            (y.wait() if method == "allreduce_async" else y)[-1] += 1  # (a handle's result)
         return y
 
     monkeypatch.setattr(mt.Communicator, method, off_by_one)
