@@ -67,15 +67,8 @@ test-mpi: $(VENV)/.compiled
 	    --with-mpi -m many_ranks $$files || exit 1; \
 	done
 
-# The integration tests start whole jobs and builds that leave a core idle much of the
-# time: two pytest workers, each taking whole files (a module's shared fixtures, such as
-# test_wheel's builds, are made once); then the tests marked alone, with nothing beside
-# them (jobs of thousands of tiny messages, whose stall limits assume the machine).
-INTEGRATION_WORKERS ?= 2
 integration: $(VENV)/.compiled
-	$(LIMIT) 900 $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadfile -m "not alone" \
-	  tests/integration
-	$(LIMIT) 600 $(PYTEST) -m alone tests/integration
+	$(LIMIT) 900 $(PYTEST) tests/integration
 
 faults: $(VENV)/.compiled
 	$(LIMIT) 900 $(PYTEST) $(FAULTS)
