@@ -28,10 +28,9 @@ def _pickle(obj: Any) -> tuple[np.ndarray[Any, Any] | None, BaseException | None
 
 def broadcast_object(t: Transport, obj: Any, root: int) -> Any:
     """Return the root's ``obj`` on every rank (the root gets ``obj`` itself)."""
-    comm = t.comm
     data, error = _pickle(obj) if t.rank == root else (None, None)
     length = np.array([_FAILED if error else 0 if data is None else data.size], np.int64)
-    t.collective(comm.Bcast, comm.Ibcast, length, root)
+    t.bcast(length, root)
     if error is not None:
         raise error
     if length[0] == _FAILED:
@@ -39,19 +38,18 @@ def broadcast_object(t: Transport, obj: Any, root: int) -> Any:
                                  f"{root}, could not pickle its object (it raised the error)")
     if data is None:
         data = np.empty(int(length[0]), np.uint8)
-        t.collective(comm.Bcast, comm.Ibcast, data, root)
+        t.bcast(data, root)
         return pickle.loads(data.tobytes())
-    t.collective(comm.Bcast, comm.Ibcast, data.copy(), root)
+    t.bcast(data.copy(), root)
     return obj
 
 
 def allgather_object(t: Transport, obj: Any) -> list[Any]:
     """Return every rank's ``obj``, in rank order."""
-    comm = t.comm
     mine, error = _pickle(obj)
     lengths = np.empty(t.size, np.int64)
     size = np.array([_FAILED if mine is None else mine.size], np.int64)
-    t.collective(comm.Allgather, comm.Iallgather, size, lengths)
+    t.allgather(size, lengths)
     if error is not None:
         raise error
     failed = [r for r in range(t.size) if lengths[r] == _FAILED]
@@ -61,6 +59,5 @@ def allgather_object(t: Transport, obj: Any) -> list[Any]:
     assert mine is not None
     displs = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     data = np.empty(int(lengths.sum()), np.uint8)
-    t.collective(comm.Allgatherv, comm.Iallgatherv, mine,
-                 [data, (lengths.tolist(), displs.tolist())])
+    t.allgatherv(mine, data, lengths.tolist(), displs.tolist())
     return [pickle.loads(data[lo:lo + n].tobytes()) for lo, n in zip(displs, lengths)]

@@ -54,25 +54,26 @@ class Topology:
     cross: Transport
 
     @classmethod
-    def detect(cls, comm: MPI.Intracomm, stall: StallLimits | None = None) -> Topology:
-        """Split ``comm`` by shared-memory node (collective over ``comm``); ``stall``:
-        the stall limits of the two sub-transports (default: the environment's)."""
+    def detect(cls, comm: MPI.Intracomm, stall: StallLimits | None = None,
+               elastic: bool = False) -> Topology:
+        """Split ``comm`` by shared-memory node (collective over ``comm``); ``stall``
+        and ``elastic``: those of the two sub-transports (:class:`Transport`)."""
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        return cls._split(comm, cast(MPI.Intracomm, local), stall)
+        return cls._split(comm, cast(MPI.Intracomm, local), stall, elastic)
 
     @classmethod
     def from_node_ids(cls, comm: MPI.Intracomm, node_id: int,
-                      stall: StallLimits | None = None) -> Topology:
+                      stall: StallLimits | None = None, elastic: bool = False) -> Topology:
         """Treat the ranks that pass the same ``node_id`` as one node (collective).
 
         For tests and experiments: it lets one host act as several nodes.
         """
         local = comm.Split(color=node_id, key=comm.Get_rank())
-        return cls._split(comm, cast(MPI.Intracomm, local), stall)
+        return cls._split(comm, cast(MPI.Intracomm, local), stall, elastic)
 
     @classmethod
     def _split(cls, comm: MPI.Intracomm, local: MPI.Intracomm,
-               stall: StallLimits | None) -> Topology:
+               stall: StallLimits | None, elastic: bool) -> Topology:
         rank = comm.Get_rank()
         # Every rank learns the lowest rank of every rank's node: that names the node.
         leaders = comm.allgather(local.allreduce(rank, op=MPI.MIN))
@@ -83,7 +84,7 @@ class Topology:
         node, local_rank = index[leaders[rank]], local.Get_rank()
         cross = cast(MPI.Intracomm, comm.Split(color=local_rank, key=node))
         return cls(tuple(tuple(m) for m in members), node, local_rank, local, cross,
-                   Transport(local, stall), Transport(cross, stall))
+                   Transport(local, stall, elastic), Transport(cross, stall, elastic))
 
     # -- this rank ----------------------------------------------------------------------
     @property

@@ -16,6 +16,10 @@ poll ``Test`` (spinning first, then sleeping a little), native collectives use t
 non-blocking variants, and past the timeout the waiting rank raises
 :class:`~mpitrain.StallError`. The interrupted collective's messages stay in flight,
 so the transport is then *broken*: every later collective raises at once.
+
+Under ULFM (``elastic``) the barrier, broadcast and allgathers that mpitrain runs on
+its own account are point-to-point messages (:mod:`.p2p`), whose failures Open MPI
+does not print, and every wait reports a failed request's own error.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import os
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from ..errors import StallError
+from . import p2p
 from .inspector import Inspector, StallLimits, abort, warn
 from .shm import SPIN_S, SharedMemory, next_pause
 
@@ -91,9 +97,13 @@ class Transport:
     Args:
         comm: the communicator to duplicate; the transport never uses it directly.
         stall: the stall limits of its inspector (default: ``MPITRAIN_STALL_*``).
+        elastic: the job runs under ULFM (``MPITRAIN_ELASTIC``): :meth:`barrier`,
+            :meth:`bcast`, :meth:`allgather` and :meth:`allgatherv` are point-to-point
+            messages (:mod:`.p2p`).
     """
 
-    def __init__(self, comm: MPI.Intracomm, stall: StallLimits | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, stall: StallLimits | None = None,
+                 elastic: bool = False) -> None:
         self.comm: MPI.Intracomm = comm.Dup()
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
@@ -107,6 +117,7 @@ class Transport:
         self.broken: str | None = None
         self.inspector = Inspector(self, stall)
         self.interruptible = self.inspector.raises
+        self.elastic = elastic
         # Requests of the current collective, kept alive (with their buffers) after a stall.
         self.inflight: list[Request] = []
         self.synchronous = SYNCHRONOUS_SENDS
@@ -170,12 +181,52 @@ class Transport:
             return
         self.waiting = True
         try:
-            if self.interruptible:
+            if self.elastic:  # a failed rank's error, not MPI_ERR_IN_STATUS
+                if self.interruptible:
+                    self.poll(lambda: p2p.testall(live))
+                else:
+                    p2p.waitall(live)
+            elif self.interruptible:
                 self.poll(lambda: MPI.Request.Testall(live))
             else:
                 MPI.Request.Waitall(live)
         finally:
             self.waiting = False
+
+    def barrier(self) -> None:
+        """Wait until every rank has entered the barrier."""
+        if self.elastic:
+            self._exchange(p2p.barrier(self.comm))
+        else:
+            self.collective(self.comm.Barrier, self.comm.Ibarrier)
+
+    def bcast(self, buf: np.ndarray, root: int) -> None:
+        """``buf`` of ``root`` into ``buf`` of every rank (host arrays)."""
+        if self.elastic:
+            self._exchange(p2p.bcast(self.comm, buf, root))
+        else:
+            self.collective(self.comm.Bcast, self.comm.Ibcast, buf, root)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Every rank's ``send`` into row ``r`` of ``recv`` (host arrays)."""
+        if self.elastic:
+            self._exchange(p2p.allgather(self.comm, send, recv))
+        else:
+            self.collective(self.comm.Allgather, self.comm.Iallgather, send, recv)
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
+                   displs: Sequence[int]) -> None:
+        """Every rank's ``send`` (``counts[r]`` elements) into ``recv[displs[r]:]``."""
+        if self.elastic:
+            self._exchange(p2p.allgatherv(self.comm, send, recv, counts, displs))
+        else:
+            self.collective(self.comm.Allgatherv, self.comm.Iallgatherv, send,
+                            [recv, (list(counts), list(displs))])
+
+    def _exchange(self, requests: list[Request]) -> None:
+        if self.interruptible:
+            self.inflight.extend(requests)
+        self.waitall(requests)
 
     def collective(self, blocking: Callable[..., Any], nonblocking: Callable[..., Request],
                    *args: Any) -> None:

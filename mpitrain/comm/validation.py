@@ -162,7 +162,7 @@ class Validator:
             return p
         mine = self._mine
         mine[FP], mine[ROWS], mine[PAYLOAD], mine[ADDRESS] = fp, rows, payload, address
-        self.transport.collective(self.comm.Allgather, self.comm.Iallgather, mine, self._table)
+        self.transport.allgather(mine, self._table)
         if sig is not None:
             column = self._table[:, FP]
             if column.min() != column.max():

@@ -121,10 +121,10 @@ class Dispatcher:
                                 f"{comm!r}")
         stall = StallLimits(settings.stall_warning_s, settings.stall_timeout_s,
                             settings.stall_action)
-        self.transport = Transport(comm, stall)
+        self.transport = Transport(comm, stall, settings.elastic)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.rank, self.size = self.transport.rank, self.transport.size
-        self.topology = Topology.detect(self.mpi_comm, stall)
+        self.topology = Topology.detect(self.mpi_comm, stall, settings.elastic)
         # Not under ULFM: a rank that dies is only noticed by MPI calls, never by a
         # shared-memory barrier, which would wait for it forever.
         self.shm = shared.create(self.mpi_comm, self.topology.local_size == self.size,
@@ -770,7 +770,7 @@ class Dispatcher:
         if checking or self.shm is not None:  # the exchange is itself a barrier
             self.validator.meet((sig or signature(collective)) if checking else None)
         else:
-            self.transport.collective(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
+            self.transport.barrier()
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """See :meth:`mpitrain.Communicator.broadcast_object`."""

@@ -21,7 +21,8 @@ of one (name, signature) pair per request. A cycle
 is one exchange of a fixed-size *slot* per rank (payload length, stop flag,
 threshold, and the payload itself when it fits): through the communicator's
 shared-memory slots (512 KiB) when all ranks are on one node, else one
-``MPI_Iallgather`` of 4 KiB slots. While a caller is blocked in ``wait()`` the
+``MPI_Iallgather`` of 4 KiB slots (under ULFM, point-to-point messages: see
+:mod:`mpitrain.comm.p2p`). While a caller is blocked in ``wait()`` the
 exchange waits like a blocking call; otherwise it is polled with a growing sleep
 (after a first 100 us of tests, enough for ranks that are in step), so that a rank
 waiting for slower ranks does not take a core from the caller's computation. Only a
@@ -40,6 +41,7 @@ from typing import Any, Callable, Protocol, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import p2p
 from ..comm.inspector import abort
 from ..comm.shm import SharedMemory
 from ..comm.transport import Transport
@@ -223,6 +225,11 @@ class Negotiator:
             flags = shm.flags
             self._wait(lambda: min(flags) >= target, lambda: shm.wait_quietly(target), joined)
             slots = shm.slots[parity]  # read before this thread's next two barriers
+        elif self.transport is not None and self.transport.elastic:
+            # point-to-point, so that a failed rank prints nothing (mpitrain.comm.p2p)
+            posted = p2p.allgather(self.comm, self._slot, self._slots)
+            self._wait(lambda: p2p.testall(posted), lambda: p2p.waitall(posted), joined)
+            slots = self._slots
         else:
             request = self.comm.Iallgather(self._slot, self._slots)
             self._wait(request.Test, request.Wait, joined)
