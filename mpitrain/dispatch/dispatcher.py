@@ -766,7 +766,7 @@ class Dispatcher:
         if self.size == 1:
             return
         self.transport.begin(collective)
-        checking = self.settings.check
+        checking = self.checking
         if checking or self.shm is not None:  # the exchange is itself a barrier
             self.validator.meet((sig or signature(collective)) if checking else None)
         else:
