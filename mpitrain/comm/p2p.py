@@ -4,9 +4,9 @@ When a rank fails, a non-blocking collective of Open MPI's ``libnbc`` that waits
 aborts its schedule and writes ``NBC_Progress: an error 75 was found during schedule
 ... - aborting the schedule`` to stderr on every survivor, unconditionally; a
 point-to-point request only completes with the error. Under ``mpitrain-run --elastic``
-(``MPITRAIN_ELASTIC=1``) the collectives that mpitrain itself posts as non-blocking ones
-(the async engine's negotiation, the exit barrier, and the barrier, broadcast and
-allgathers of an interruptible transport) are therefore the messages below: one round in
+(``MPITRAIN_ELASTIC=1``) the collectives that mpitrain runs on its own account (the async
+engine's negotiation, the exit barrier, and a transport's barrier, broadcast and
+allgathers: validation, object collectives) are therefore the messages below: one round in
 which each rank sends its part to every other rank that needs it. Their payloads are
 small (slots, tables, lengths, pickled objects), so ``size - 1`` messages per rank cost
 little against what a collective algorithm would save.
@@ -96,4 +96,3 @@ def allgatherv(comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray,
     others = _others(comm)
     return ([comm.Irecv(recv[displs[r]:displs[r] + counts[r]], r, TAG) for r in others]
             + [comm.Isend(send, r, TAG) for r in others])
-
