@@ -383,11 +383,9 @@ class Dispatcher:
                 and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            key = (x.dtype, x.shape, op, algorithm)
-            small = self._small[key] if key in self._small else \
-                self.small_allreduce(x, op, algorithm)
-            if small is not None and (out is None or fits_out(out, x.shape, x.dtype)):
-                return small.allreduce(x, out)
+            result = self._fast_allreduce(x, op, algorithm, out)
+            if result is not None:
+                return result
         be, arr = self.checks.array(x, "allreduce", False)
         call = self.checks.reduction("allreduce", be, arr, op, prescale_factor,
                                      postscale_factor, algorithm)
@@ -401,15 +399,29 @@ class Dispatcher:
         if (type(x) is np.ndarray and name is None
                 and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
-                and (type(op) is ReduceOp or type(op) is str)):
-            small = self.small_allreduce(x, op, algorithm)
-            if small is not None and x.flags.writeable:
-                return small.allreduce(x, x)
+                and (type(op) is ReduceOp or type(op) is str)
+                and self._fast_allreduce(x, op, algorithm, x) is not None):
+            return x
         be, arr = self.checks.array(x, "allreduce_", True)
         call = self.checks.reduction("allreduce", be, arr, op, prescale_factor,
                                      postscale_factor, algorithm, inplace=True)
         self.execute(call, arr, name=name, stream=stream)
         return x
+
+    def _fast_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                        algorithm: str | None, out: Array | None) -> Array | None:
+        """An allreduce of ``x`` on its fast-path plan, into ``out`` (``None``: a new
+        array; ``x``: in place); ``None`` where the plan does not take the call."""
+        key = (x.dtype, x.shape, op, algorithm)
+        small = self._small[key] if key in self._small else \
+            self.small_allreduce(x, op, algorithm)
+        if small is None:
+            return None
+        if out is x:
+            return small.allreduce(x, x) if x.flags.writeable else None
+        if out is None or fits_out(out, x.shape, x.dtype):
+            return small.allreduce(x, out)
+        return None
 
     def small_allreduce(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
                         algorithm: str | None = None) -> SmallAllreduce | None:
@@ -542,15 +554,24 @@ class Dispatcher:
                 and (algorithm is None or type(algorithm) is str)
                 and prescale_factor == 1.0 and postscale_factor == 1.0
                 and (type(op) is ReduceOp or type(op) is str)):
-            key = (x.dtype, x.shape, op, algorithm)
-            small = self._small_rs[key] if key in self._small_rs else \
-                self.small_reduce_scatter(x, op, algorithm)
-            if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
-                return small.reduce_scatter(x, out)
+            result = self._fast_reduce_scatter(x, op, algorithm, out)
+            if result is not None:
+                return result
         be, arr = self.checks.array(x, "reduce_scatter", False)
         call = self.checks.reduction("reduce_scatter", be, arr, op, prescale_factor,
                                      postscale_factor, algorithm)
         return self.execute(call, arr, out=out, name=name, stream=stream)
+
+    def _fast_reduce_scatter(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
+                             algorithm: str | None, out: Array | None) -> Array | None:
+        """A reduce-scatter of ``x`` on its fast-path plan, into ``out`` (``None``: a
+        new array); ``None`` where the plan does not take the call."""
+        key = (x.dtype, x.shape, op, algorithm)
+        small = self._small_rs[key] if key in self._small_rs else \
+            self.small_reduce_scatter(x, op, algorithm)
+        if small is None or (out is not None and not fits_out(out, small.out_shape, x.dtype)):
+            return None
+        return small.reduce_scatter(x, out)
 
     def small_reduce_scatter(self, x: np.ndarray[Any, Any], op: ReduceOp | str,
                              algorithm: str | None = None) -> SmallReduceScatter | None:
@@ -595,20 +616,23 @@ class Dispatcher:
         """See :meth:`mpitrain.Communicator.allgather`."""
         if (type(x) is np.ndarray and name is None and stream is None
                 and (algorithm is None or type(algorithm) is str)):
-            key = (x.dtype, x.shape, None, algorithm)
-            small = self._small_ag[key] if key in self._small_ag else \
-                self.small_allgather(x, algorithm)
-            if small is not None and (out is None or fits_out(out, small.out_shape, x.dtype)):
-                return self._small_allgather(small, x, out, algorithm)
+            result = self._fast_allgather(x, algorithm, out)
+            if result is not None:
+                return result
         be, arr = self.checks.array(x, "allgather", False)
         call = self.checks.allgather(be, arr, algorithm)
         return self.execute(call, arr, out=out, name=name, stream=stream)
 
-    def _small_allgather(self, small: SmallAllgather, x: np.ndarray[Any, Any],
-                         out: Array | None, algorithm: str | None) -> Array:
-        """Run the fast-path plan of an allgather of ``x`` (into ``out``, which
-        :func:`~.fastpath.fits_out`); where the ranks' rows turn out not to be the plan's,
-        finish the call from the same exchange."""
+    def _fast_allgather(self, x: np.ndarray[Any, Any], algorithm: str | None,
+                        out: Array | None) -> Array | None:
+        """An allgather of ``x`` on its fast-path plan, into ``out`` (``None``: a new
+        array); ``None`` where the plan does not take the call. Where the ranks' rows
+        turn out not to be the plan's, the call finishes from the same exchange."""
+        key = (x.dtype, x.shape, None, algorithm)
+        small = self._small_ag[key] if key in self._small_ag else \
+            self.small_allgather(x, algorithm)
+        if small is None or (out is not None and not fits_out(out, small.out_shape, x.dtype)):
+            return None
         result = small.allgather(x, out)
         if result is not None:
             return result
@@ -631,22 +655,11 @@ class Dispatcher:
             return None
         collective, op = call.collective, call.op
         if collective == "allreduce" and op is not None:
-            small = self.small_allreduce(arr, op, call.algorithm)
-            if small is None or (call.inplace and not arr.flags.writeable):
-                return None
-            return small.allreduce(arr, arr if call.inplace else None)
+            return self._fast_allreduce(arr, op, call.algorithm, arr if call.inplace else None)
         if collective == "reduce_scatter" and op is not None:
-            small_rs = self.small_reduce_scatter(arr, op, call.algorithm)
-            if small_rs is None or (out is not None
-                                    and not fits_out(out, small_rs.out_shape, arr.dtype)):
-                return None
-            return small_rs.reduce_scatter(arr, out)
+            return self._fast_reduce_scatter(arr, op, call.algorithm, out)
         if collective == "allgather":
-            small_ag = self.small_allgather(arr, call.algorithm)
-            if small_ag is None or (out is not None
-                                    and not fits_out(out, small_ag.out_shape, arr.dtype)):
-                return None
-            return self._small_allgather(small_ag, arr, out, call.algorithm)
+            return self._fast_allgather(arr, call.algorithm, out)
         return None
 
     def small_allgather(self, x: np.ndarray[Any, Any],
