@@ -118,6 +118,11 @@ class Transport:
         self.inspector = Inspector(self, stall)
         self.interruptible = self.inspector.raises
         self.elastic = elastic
+        # Under ULFM a failed request's own error, not MPI_ERR_IN_STATUS (see .p2p).
+        self._testall: Callable[[list[Request]], bool] = \
+            p2p.testall if elastic else MPI.Request.Testall
+        self._waitall: Callable[[list[Request]], Any] = \
+            p2p.waitall if elastic else MPI.Request.Waitall
         # Requests of the current collective, kept alive (with their buffers) after a stall.
         self.inflight: list[Request] = []
         self.synchronous = SYNCHRONOUS_SENDS
@@ -181,15 +186,10 @@ class Transport:
             return
         self.waiting = True
         try:
-            if self.elastic:  # a failed rank's error, not MPI_ERR_IN_STATUS
-                if self.interruptible:
-                    self.poll(lambda: p2p.testall(live))
-                else:
-                    p2p.waitall(live)
-            elif self.interruptible:
-                self.poll(lambda: MPI.Request.Testall(live))
+            if self.interruptible:
+                self.poll(lambda: self._testall(live))
             else:
-                MPI.Request.Waitall(live)
+                self._waitall(live)
         finally:
             self.waiting = False
 

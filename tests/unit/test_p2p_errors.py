@@ -3,9 +3,16 @@ MPI_ERR_PROC_FAILED), not MPI_ERR_IN_STATUS, which elastic recovery would not kn
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import numpy as np
+import pytest
 from mpi4py import MPI
 
+from mpitrain.comm import p2p
+from mpitrain.comm.inspector import StallLimits
 from mpitrain.comm.p2p import _rethrow
+from mpitrain.comm.transport import Transport
 from mpitrain.elastic import rank_failure
 
 
@@ -30,3 +37,30 @@ def test_other_errors_pass_unchanged() -> None:
     assert _rethrow(exc, [_status(MPI.ERR_PROC_FAILED)]) is exc
     inside = MPI.Exception(MPI.ERR_IN_STATUS)
     assert _rethrow(inside, [_status(MPI.SUCCESS)]) is inside
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0], ids=["blocking", "interruptible"])
+def test_an_elastic_transports_waits_report_through_p2p(
+        monkeypatch: pytest.MonkeyPatch, elastic: bool, timeout_s: float) -> None:
+    """Every multi-request wait of an elastic transport (blocking or interruptible) goes
+    through p2p's testall/waitall, which translate MPI_ERR_IN_STATUS; others use MPI's."""
+    seen: list[str] = []
+
+    def recorded(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(requests: Any) -> Any:
+            seen.append(name)
+            return real(requests)
+        return call
+
+    monkeypatch.setattr(p2p, "testall", recorded("testall", p2p.testall))
+    monkeypatch.setattr(p2p, "waitall", recorded("waitall", p2p.waitall))
+    t = Transport(MPI.COMM_SELF, StallLimits(0.0, timeout_s, "raise"), elastic=elastic)
+    try:
+        got, sent = np.zeros(3), np.arange(3.0)
+        t.waitall([t.irecv(got, 0, 5), t.isend(sent, 0, 5)])
+        np.testing.assert_array_equal(got, sent)
+        want = ("testall" if timeout_s else "waitall") if elastic else None
+        assert (seen[-1] if seen else None) == want, seen
+    finally:
+        t.free()
