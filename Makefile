@@ -51,8 +51,9 @@ $(VENV)/.compiled: $(VENV)/.installed setup.py $(ENGINE_CORE) $(HOSTCOPY)
 
 test: $(VENV)/.compiled unit test-mpi integration
 
+# Two pytest workers: many unit tests wait on a subprocess of their own.
 unit: $(VENV)/.compiled
-	EXPECT_COMPILED_ENGINE=1 $(PYTEST) tests/unit
+	EXPECT_COMPILED_ENGINE=1 $(PYTEST) -n 2 tests/unit
 
 test-mpi: $(VENV)/.compiled
 	for n in 1 2 3 4 5; do \
@@ -67,8 +68,15 @@ test-mpi: $(VENV)/.compiled
 	    --with-mpi -m many_ranks $$files || exit 1; \
 	done
 
+# The integration tests start whole jobs and builds that leave a core idle much of the
+# time: two pytest workers, each taking whole files (a module's shared fixtures, such as
+# test_wheel's builds, are made once); then the tests marked alone, with nothing beside
+# them (jobs of thousands of tiny messages, whose stall limits assume the machine).
+INTEGRATION_WORKERS ?= 2
 integration: $(VENV)/.compiled
-	$(LIMIT) 900 $(PYTEST) tests/integration
+	$(LIMIT) 900 $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadfile -m "not alone" \
+	  tests/integration
+	$(LIMIT) 600 $(PYTEST) -m alone tests/integration
 
 faults: $(VENV)/.compiled
 	$(LIMIT) 900 $(PYTEST) $(FAULTS)

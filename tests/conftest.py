@@ -1,9 +1,12 @@
-"""Pytest configuration shared by the unit and MPI suites."""
+"""Pytest configuration shared by the unit, MPI and integration suites."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -11,6 +14,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 # Ranks share few cores: one compute thread each (torch's OpenMP threads would spin).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Each pytest worker's jobs get a TMPDIR of their own: Open MPI's launcher keeps its
+    # session files in a folder under TMPDIR that every job of the user shares, and two
+    # jobs starting at once there failed a launch now and then ("The PMIx server's
+    # listener thread failed to start").
+    _WORKER_TMP = tempfile.mkdtemp(prefix=f"mpitrain-{os.environ['PYTEST_XDIST_WORKER']}-")
+    os.environ["TMPDIR"] = _WORKER_TMP
+    tempfile.tempdir = None
+    atexit.register(shutil.rmtree, _WORKER_TMP, ignore_errors=True)
 
 
 @pytest.fixture

@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent / "jobs"
 _BESIDE = Path(sys.executable).parent / "mpirun"
 MPIRUN = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpirun") or "mpirun"
+# osc ^ucx: without UCX devices that component may print an error line when a window is
+# made (the Makefile's MPIFLAGS say the same); the tests read the jobs' output.
 FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-         "--mca", "threads_pthreads_yield_strategy", "nanosleep"]
+         "--mca", "threads_pthreads_yield_strategy", "nanosleep", "--mca", "osc", "^ucx"]
 
 
 @dataclass
@@ -29,9 +31,16 @@ class Result:
     seconds: float
 
 
+def inherited() -> dict[str, str]:
+    """This process's environment as a shell would pass it on: without ``COLUMNS`` and
+    ``LINES``, which pytest-xdist sets in its workers (a job's output would then be
+    taken for a terminal's; ``mpitrain-run`` sets ``COLUMNS`` itself on a terminal)."""
+    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+
 def environment(**env: str) -> dict[str, str]:
     """This process's environment for a job: the worktree's mpitrain, root allowed."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MPITRAIN_")}
+    full = {k: v for k, v in inherited().items() if not k.startswith("MPITRAIN_")}
     full.update(PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
     return full

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
-from jobrun import NOT_STARTED
-
-ROOT = Path(__file__).resolve().parents[2]
-MPIRUN = str(Path(sys.executable).parent / "mpirun") if (Path(sys.executable).parent
-                                                         / "mpirun").exists() \
-    else shutil.which("mpirun") or "mpirun"
-FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-         "--mca", "threads_pthreads_yield_strategy", "nanosleep"]
+from jobrun import FLAGS, MPIRUN, NOT_STARTED, ROOT, inherited
 
 
 def start(np_: int, argv: list[str], **env: str) -> subprocess.Popen[str]:
     """``mpirun -np np_ argv...`` with this checkout on PYTHONPATH and ``env`` exported."""
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
+    full_env = dict(inherited(), PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
     exports = [a for k in ("PYTHONPATH", *env) for a in ("-x", k)]
     return subprocess.Popen([MPIRUN, *FLAGS, *exports, "-np", str(np_), *argv], env=full_env,

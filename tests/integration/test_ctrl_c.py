@@ -25,7 +25,7 @@ def _running(pid: int) -> bool:
 
 
 def test_ctrl_c_stops_mpirun_and_every_rank() -> None:
-    ranks = [MPIRUN, *FLAGS, "--mca", "osc", "^ucx", "-np", "2", sys.executable, "-c",
+    ranks = [MPIRUN, *FLAGS, "-np", "2", sys.executable, "-c",
              "import time, mpitrain as mt; mt.init(); print('up', flush=True); "
              "time.sleep(600)"]
     proc = subprocess.Popen([sys.executable, str(TOOL), "900", *ranks],

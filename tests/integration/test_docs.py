@@ -113,7 +113,7 @@ def test_python_block_runs_at_two_ranks(block: Block, tmp_path: Path) -> None:
         pytest.importorskip("torch")
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
-    cmd = [MPIRUN, *FLAGS, "--mca", "osc", "^ucx", "-x", "PYTHONPATH", "-x",
+    cmd = [MPIRUN, *FLAGS, "-x", "PYTHONPATH", "-x",
            "OMP_NUM_THREADS", "-np", str(RANKS), sys.executable, str(script)]
     result = run(cmd, TIMEOUT_S, OMP_NUM_THREADS="1")
     assert result.rc == 0, f"{block} failed at {RANKS} ranks (exit {result.rc}):\n" \

@@ -5,6 +5,9 @@ hundreds of kilobytes, which the ring used to cut into thousands of segments per
 chunk, all in flight at once (jobs hung inside the ring).
 
 Each job has a stall timeout (a hang inside it becomes StallError) and a hard timeout.
+The jobs send thousands of 64-byte messages per collective: `make integration` runs
+them alone (with another job beside them, one collective of the 3-rank job once took
+over its 60 s limit).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 from mpirun import run
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "fused_loop.py")
+pytestmark = pytest.mark.alone
 
 
 @pytest.mark.parametrize("ranks,algorithm", [(3, "ring"), (4, "ring"), (5, "ring"),
