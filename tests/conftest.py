@@ -91,3 +91,38 @@ def torch_device(request: pytest.FixtureRequest, comm: Any) -> Iterator[str]:
 
     with fake_torch_device(seed=comm.rank * 7919 + 1):
         yield "fake-cuda"
+
+
+HALF_SWEEPS_AT = (4, 5)
+"""Rank counts at which each dtype sweep runs half its cases (see
+:func:`pytest_collection_modifyitems`)."""
+
+
+def world_size() -> int:
+    """The number of ranks of the job this pytest runs in (1 outside ``mpirun``)."""
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """At 4 and 5 ranks, a test parametrized over ``dtype`` (a sweep: dtype x op x
+    algorithm x size) runs every other case: at 4 ranks its even-numbered cases, at 5
+    its odd-numbered ones, in collection order. Every case of a sweep thus runs at 1, 2
+    and 3 ranks and at one of 4 and 5 (``make test-mpi`` takes half as long at 4 and 5
+    ranks); tests without a ``dtype`` parameter run whole at every rank count."""
+    size = world_size()
+    if size not in HALF_SWEEPS_AT:
+        return
+    keep = size % 2  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
+    seen: dict[tuple[str, str], int] = {}
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        if params is None or not any(name == "dtype" for name in params.params):
+            kept.append(item)
+            continue
+        sweep = (item.nodeid.split("[")[0], getattr(item, "originalname", item.name))
+        index = seen[sweep] = seen.get(sweep, -1) + 1
+        (kept if index % 2 == keep else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
