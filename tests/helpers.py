@@ -144,10 +144,17 @@ def with_nodes(comm: MPI.Intracomm, ids: list[int]) -> mt.Communicator:
 
 
 def assert_all_ranks(comm: mt.Communicator, ok: bool, message: str) -> None:
-    """Fail on every rank if the check failed on any (so no rank hangs in the next test)."""
-    failed = comm.allgather_object(None if ok else f"rank {comm.rank}: {message}")
-    bad = [f for f in failed if f is not None]
-    assert not bad, "; ".join(bad)
+    """Fail on every rank if the check failed on any (so no rank hangs in the next test).
+
+    One small allreduce counts the failed ranks; only if there are any are the messages
+    gathered (an object allgather is several collectives). A rank whose own check failed
+    fails even if that count says none did.
+    """
+    failures = int(comm.allreduce(np.array([0 if ok else 1], np.int32))[0])
+    if failures:
+        failed = comm.allgather_object(None if ok else f"rank {comm.rank}: {message}")
+        raise AssertionError("; ".join(f for f in failed if f is not None))
+    assert ok, f"rank {comm.rank}: {message} (yet the ranks' count of failures was 0)"
 
 
 _T = TypeVar("_T")
