@@ -40,8 +40,8 @@ follow_imports = skip
 """
 """mypy's settings for the compile (not pyproject's, which are the lint's). Modules the
 engine core imports import torch and matplotlib (inside functions); the core uses
-neither, so mypy need not read them: where they are installed, reading them took
-mypyc from 9 s to 2 minutes, for the same C."""
+neither, so mypy need not read them (where they are installed, reading them made most
+of the compile's time, for the same C)."""
 
 
 def fall_back(reason: str, engine_only: bool = False) -> None:

@@ -107,20 +107,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """At 4 and 5 ranks, a test parametrized over ``dtype`` (a sweep: dtype x op x
     algorithm x size) runs every other case: at 4 ranks its even-numbered cases, at 5
     its odd-numbered ones, in collection order. Every case of a sweep thus runs at 1, 2
-    and 3 ranks and at one of 4 and 5 (``make test-mpi`` takes half as long at 4 and 5
-    ranks); tests without a ``dtype`` parameter run whole at every rank count."""
+    and 3 ranks and at one of 4 and 5, where ranks share the cores most; tests without a
+    ``dtype`` parameter run whole at every rank count."""
     size = world_size()
     if size not in HALF_SWEEPS_AT:
         return
     keep = size % 2  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[str, int] = {}
     kept, dropped = [], []
     for item in items:
         params = getattr(item, "callspec", None)
-        if params is None or not any(name == "dtype" for name in params.params):
+        if params is None or "dtype" not in params.params:
             kept.append(item)
             continue
-        sweep = (item.nodeid.split("[")[0], getattr(item, "originalname", item.name))
+        sweep = item.nodeid.split("[")[0]  # the test function
         index = seen[sweep] = seen.get(sweep, -1) + 1
         (kept if index % 2 == keep else dropped).append(item)
     if dropped:
