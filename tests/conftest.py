@@ -94,8 +94,8 @@ def torch_device(request: pytest.FixtureRequest, comm: Any) -> Iterator[str]:
 
 
 HALF_SWEEPS_AT = (4, 5)
-"""Rank counts at which each dtype sweep runs half its cases (see
-:func:`pytest_collection_modifyitems`)."""
+"""The two rank counts at which each dtype sweep runs half its cases, the first the
+even-numbered ones, the second the others (:func:`pytest_collection_modifyitems`)."""
 
 
 def world_size() -> int:
@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     size = world_size()
     if size not in HALF_SWEEPS_AT:
         return
-    keep = size % 2  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
+    keep = HALF_SWEEPS_AT.index(size)  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
     seen: dict[str, int] = {}
     kept, dropped = [], []
     for item in items:

@@ -31,16 +31,13 @@ class Result:
     seconds: float
 
 
-def inherited() -> dict[str, str]:
-    """This process's environment as a shell would pass it on: without ``COLUMNS`` and
-    ``LINES``, which pytest-xdist sets in its workers (a job's output would then be
-    taken for a terminal's; ``mpitrain-run`` sets ``COLUMNS`` itself on a terminal)."""
-    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-
-
 def environment(**env: str) -> dict[str, str]:
-    """This process's environment for a job: the worktree's mpitrain, root allowed."""
-    full = {k: v for k, v in inherited().items() if not k.startswith("MPITRAIN_")}
+    """This process's environment for a job: the worktree's mpitrain, root allowed, no
+    ``MPITRAIN_*`` of this process, and no ``COLUMNS`` or ``LINES``, which pytest-xdist
+    sets in its workers (a job's output would then be taken for a terminal's;
+    ``mpitrain-run`` sets ``COLUMNS`` itself on a terminal)."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("MPITRAIN_") and k not in ("COLUMNS", "LINES")}
     full.update(PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
     return full

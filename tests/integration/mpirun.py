@@ -6,13 +6,12 @@ import os
 import signal
 import subprocess
 
-from jobrun import FLAGS, MPIRUN, NOT_STARTED, ROOT, inherited
+from jobrun import FLAGS, MPIRUN, NOT_STARTED, environment
 
 
 def start(np_: int, argv: list[str], **env: str) -> subprocess.Popen[str]:
     """``mpirun -np np_ argv...`` with this checkout on PYTHONPATH and ``env`` exported."""
-    full_env = dict(inherited(), PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
-                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
+    full_env = environment(**env)
     exports = [a for k in ("PYTHONPATH", *env) for a in ("-x", k)]
     return subprocess.Popen([MPIRUN, *FLAGS, *exports, "-np", str(np_), *argv], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobrun import inherited
-from mpirun import ROOT, run, start
+from jobrun import ROOT, environment
+from mpirun import run, start
 
 EXAMPLES = {"numpy": "train_numpy.py", "torch": "train.py"}
 
@@ -99,8 +99,7 @@ def test_progress_on_a_terminal_is_a_bar_then_the_epoch_line(launched: bool) -> 
     pytest.importorskip("sklearn")
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
-    env = dict(inherited(), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = environment(OMP_NUM_THREADS="1")
     script = [sys.executable, str(ROOT / "examples" / "train_numpy.py"), "--epochs", "3",
               "--batch-size", "32"]
     if launched:
