@@ -33,6 +33,11 @@ GLOO_OF = {"mpitrain": "ddp", "ddp": "ddp", "ddp-mpitrain": "ddp", "fsdp": "fsdp
            "fsdp-mpitrain": "fsdp"}
 """Per implementation of the training benchmark, the gloo one its ``gloo/impl`` ratio
 is taken against: DDP for the data-parallel rows, FSDP for the sharded ones."""
+ALONE, NO_COMM = "1 rank", "no comm"
+"""The training benchmark's two rows without communication: one rank training alone
+(the scaling baseline), and every rank training its own copy at once (the step of an
+implementation whose communication cost nothing)."""
+BASELINES = (ALONE, NO_COMM)
 
 
 @dataclass(frozen=True)
@@ -304,10 +309,10 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                 "|---|---|---|---|---|---|---|---|---|"]
         steps = {(r["model"], r["impl"]): r["step_ms"] for r in run.doc["results"]}
         for r in run.doc["results"]:
-            one = r["impl"] == "1 rank"
+            base = r["impl"] in BASELINES
             gloo = steps.get((r["model"], GLOO_OF.get(r["impl"], "")))
-            ratio = f"{gloo / r['step_ms']:.2f}" if gloo and not one else "-"
-            checked = not one and r["difference"] is not None \
+            ratio = f"{gloo / r['step_ms']:.2f}" if gloo and not base else "-"
+            checked = not base and r["difference"] is not None \
                 and not (isinstance(r["difference"], float) and math.isnan(r["difference"]))
             out.append(f"| {r['model']} | {r['params'] / 1e6:.2f} M ({r['tensors']}) | "
                        f"{r['impl']} | {human_time(r['step_ms'] * 1e3)} | "
@@ -317,8 +322,8 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
         bounds = scaling_bounds(run.doc)
         if bounds:
             out += ["", "Highest `gloo/impl` of DDP any implementation could reach, with "
-                    "communication that costs nothing (its step then equals the one-rank "
-                    "step, times ranks / cores where there are more ranks than cores): "
+                    f"communication that costs nothing (DDP's step over the `{NO_COMM}` "
+                    "step, every rank training its own copy at once): "
                     + ", ".join(
                         f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
         out.append("")
@@ -327,14 +332,14 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
 
 def scaling_bounds(doc: dict[str, Any]) -> dict[str, float]:
     """Per model of a training run, DDP's step time over the shortest step any data-
-    parallel implementation could take: the one-rank step (weak scaling: the per-rank
-    batch is fixed), times ranks / cores where the ranks outnumber the cores."""
-    ranks, cores = doc["machine"]["ranks"], doc["machine"]["cpus"]
+    parallel implementation could take: the ``no comm`` step, in which every rank trains
+    its own copy at once and nothing is communicated (measured, not the one-rank step:
+    ranks that compute at once share the cores, the memory bandwidth and the caches)."""
     steps: dict[str, dict[str, float]] = {}
     for r in doc["results"]:
         steps.setdefault(r["model"], {})[r["impl"]] = r["step_ms"]
-    return {model: s["ddp"] / (s["1 rank"] * max(1.0, ranks / cores))
-            for model, s in steps.items() if "ddp" in s and "1 rank" in s}
+    return {model: s["ddp"] / s[NO_COMM]
+            for model, s in steps.items() if "ddp" in s and NO_COMM in s}
 
 
 RATES = {"mbit": 1e6 / 8, "gbit": 1e9 / 8}  # bytes per second per unit of link rate

@@ -19,11 +19,17 @@ batch per rank and step, generated outside the timed region). ``--impl`` picks t
   mpitrain group, SGD on the sharded parameters;
 * ``1 rank``: plain SGD on rank 0 alone, the baseline of the scaling efficiency; the
   other ranks wait in an ``Ibarrier`` that they poll with 1 ms sleeps, so they leave
-  the cores to rank 0.
+  the cores to rank 0;
+* ``no comm``: plain SGD on every rank at once, each on its own copy of the model and
+  its own batches, with no communication at all: the step of a data-parallel
+  implementation whose communication cost nothing. It is longer than the ``1 rank``
+  step wherever ranks that compute at once share cores, memory bandwidth or caches, so
+  DDP's step over it is the highest ``gloo/impl`` any implementation can reach
+  (the line under each table of the report).
 
-The default is ``mpitrain,ddp,ddp-mpitrain``. With ``--fp16`` gradients travel as
-float16: ``hvd.Compression.fp16``, DDP's ``fp16_compress_hook``, FSDP's
-``MixedPrecisionPolicy(reduce_dtype=torch.float16)``.
+The default is ``mpitrain,ddp,ddp-mpitrain``; ``1 rank`` and ``no comm`` always run.
+With ``--fp16`` gradients travel as float16: ``hvd.Compression.fp16``, DDP's
+``fp16_compress_hook``, FSDP's ``MixedPrecisionPolicy(reduce_dtype=torch.float16)``.
 
 With ``--device cuda`` every rank trains on GPU ``local_rank % count`` (ranks of a node
 share its GPUs) and nothing runs over gloo: NCCL refuses two ranks on one GPU, and gloo
@@ -83,11 +89,11 @@ import mpitrain.torch as hvd
 
 from . import gloo
 from .common import OneRankParser, command_line, machine_info, program_name
-from .report import GLOO_OF
+from .report import ALONE, BASELINES, GLOO_OF, NO_COMM
 
 MODELS = ("mlp", "convnet")
 IMPLS = ("mpitrain", "ddp", "ddp-mpitrain", "fsdp", "fsdp-mpitrain")
-"""The data-parallel implementations ``--impl`` can pick (``1 rank`` always runs)."""
+"""The data-parallel implementations ``--impl`` can pick (:data:`BASELINES` always run)."""
 DEFAULT_IMPLS = ("mpitrain", "ddp", "ddp-mpitrain")
 OVER_GLOO = ("ddp", "fsdp")
 TOLERANCE = {"none": 1e-4, "fp16": 2e-2}
@@ -140,8 +146,8 @@ class TrainOptions:
 
     @property
     def impls(self) -> tuple[str, ...]:
-        """The implementations timed, ``1 rank`` first."""
-        return ("1 rank", *self.parallel)
+        """The implementations timed, the two baselines first."""
+        return (*BASELINES, *self.parallel)
 
     @property
     def baseline(self) -> str | None:
@@ -164,7 +170,7 @@ def _models(text: str) -> list[str]:
 
 
 def _impls(text: str) -> list[str]:
-    return [i for i in _models(text) if i != "1 rank"]
+    return [i for i in _models(text) if i not in BASELINES]
 
 
 def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
@@ -379,7 +385,7 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
 
 def trainers(opts: TrainOptions, fresh: Callable[[], nn.Module], last_rank: bool,
              groups: dict[str, Any]) -> dict[str, Trainer]:
-    """A trainer of every implementation but ``1 rank`` on a fresh copy of the model;
+    """A trainer of every implementation of ``--impl`` on a fresh copy of the model;
     ``groups`` holds the process groups (``gloo``, ``mpitrain``). Every one but the
     baseline scales the last rank's loss by ``1 + perturb``."""
     out = {}
@@ -394,7 +400,9 @@ def trainers(opts: TrainOptions, fresh: Callable[[], nn.Module], last_rank: bool
     return out
 
 
-IMPL_TEXT = {"1 rank": "plain SGD on rank 0 alone", "mpitrain": "hvd.DistributedOptimizer",
+IMPL_TEXT = {ALONE: "plain SGD on rank 0 alone",
+             NO_COMM: "plain SGD on every rank at once, no communication",
+             "mpitrain": "hvd.DistributedOptimizer",
              "ddp": "DDP over gloo", "ddp-mpitrain": "DDP over mpitrain's backend",
              "fsdp": "FSDP2 over gloo", "fsdp-mpitrain": "FSDP2 over mpitrain's backend"}
 
@@ -409,9 +417,9 @@ def process_groups(opts: TrainOptions, world: MPI.Intracomm) -> dict[str, Any]:
 def block_order(impls: Sequence[str], round_index: int) -> list[str]:
     """The implementations of one round, in the order they run: ``1 rank`` first, then
     the others of ``impls``, rotated by one every round."""
-    rest = [impl for impl in impls if impl != "1 rank"]
+    rest = [impl for impl in impls if impl != ALONE]
     shift = round_index % len(rest) if rest else 0
-    return ["1 rank", *rest[shift:], *rest[:shift]]
+    return [ALONE, *rest[shift:], *rest[:shift]]
 
 
 def timed_steps(trainer: Trainer, steps: int,
@@ -502,7 +510,9 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
     trained = trainers(opts, fresh, rank == nranks - 1, groups)
     if rank == 0:
         alone = fresh()
-        trained["1 rank"] = Trainer(alone, sgd(alone, opts))
+        trained[ALONE] = Trainer(alone, sgd(alone, opts))
+    own = fresh()
+    trained[NO_COMM] = Trainer(own, sgd(own, opts))
 
     def batch_on(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = make_batch(name, opts.small, opts.batch, opts.seed, r, step)
@@ -515,7 +525,7 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
     for round_index in range(-1 if opts.warmup else 0, opts.rounds):
         steps = opts.warmup if round_index < 0 else opts.steps
         for impl in block_order(opts.impls, max(round_index, 0)):
-            if impl == "1 rank":  # rank 0 alone, the others asleep
+            if impl == ALONE:  # rank 0 alone, the others asleep
                 done = timed_steps(trained[impl], steps, batch_of) if rank == 0 else []
                 idle_barrier(world)
             else:
@@ -540,12 +550,12 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
     one_rank_s = stats[0][0]
     rows = []
     for impl, (median, fastest, longest) in zip(times, stats):
-        alone, checked = impl == "1 rank", impl not in ("1 rank", opts.baseline)
+        alone, checked = impl == ALONE, impl not in (*BASELINES, opts.baseline)
         column = differences[:, opts.parallel.index(impl)] if checked else np.zeros(1)
         difference = math.nan if np.isnan(column).any() else float(column.max())
         ranks = 1 if alone else nranks
         rows.append(TrainResult(name, count, tensors, opts.batch, ranks,
-                                "-" if alone else opts.compression, impl,
+                                "-" if impl in BASELINES else opts.compression, impl,
                                 median * 1e3, fastest * 1e3, longest * 1e3,
                                 samples_per_second(opts.batch, ranks, median),
                                 scaling_efficiency(one_rank_s, median),
@@ -572,7 +582,7 @@ def table_rows(rows: Sequence[TrainResult]) -> list[str]:
     """The lines of one model: one per implementation; ``gloo/impl`` is the step time of
     the gloo implementation of the row's kind (:data:`GLOO_OF`) over the row's (above 1:
     faster than gloo); ``rel.diff`` is :func:`update_difference` against the baseline
-    (``N/A`` on the one-rank row and on the baseline's own)."""
+    (``N/A`` on the rows without communication and on the baseline's own)."""
     steps = {r.impl: r.step_ms for r in rows}
     lines = []
     for r in rows:
@@ -595,7 +605,7 @@ def verification_lines(results: Sequence[TrainResult], tolerance: float,
     lines = []
     failed = 0
     for r in results:
-        if r.impl in ("1 rank", against):
+        if r.impl in (*BASELINES, against):
             continue
         failed += not r.ok
         lines.append(f"# Verification {r.model:>8} {r.impl:>13} : |{r.impl} - {against}| / "
@@ -663,7 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "settings": {**asdict(opts), "compression": opts.compression,
                                     "tolerance": opts.tolerance},
                        "timing": "step_ms = max over ranks of each rank's median step time; "
-                                 "min/max likewise; 1 rank = rank 0 alone",
+                                 f"min/max likewise; {ALONE} = rank 0 alone; "
+                                 f"{NO_COMM} = every rank alone at once",
                        "results": [asdict(r) for r in results]}, f, indent=1)
             f.write("\n")
     if groups:

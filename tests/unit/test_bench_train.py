@@ -67,6 +67,8 @@ def test_rounds_rotate_the_implementations_after_the_one_rank_block() -> None:
     assert [o[1:] for o in orders] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert all(o[0] == "1 rank" for o in orders)
     assert train.block_order(("1 rank", "mpitrain"), 5) == ["1 rank", "mpitrain"]
+    # the block without communication takes its turn among the others
+    assert train.block_order(("1 rank", "no comm", "ddp"), 1) == ["1 rank", "ddp", "no comm"]
 
 
 def test_throughput_and_weak_scaling() -> None:
@@ -101,6 +103,7 @@ def test_verification_lines_count_failures_of_every_checked_implementation() -> 
     assert good[-1] == "# Mismatched trainings : 0 OK" and len(good) == 3  # not the baseline
     assert "|ddp-mpitrain - ddp|" in good[1]
     bad = train.verification_lines([_row("mpitrain", 1.0, ok=False), _row("1 rank", 1.0),
+                                    _row("no comm", 1.0),
                                     _row("fsdp-mpitrain", 1.0, ok=False)], 1e-4, "reference")
     assert bad[-1] == "# Mismatched trainings : 2 FAILED" and "FAILED" in bad[0]
     assert "|fsdp-mpitrain - reference|" in bad[1]
@@ -149,35 +152,42 @@ def test_command_line_reproduces_how_the_ranks_ran(monkeypatch: pytest.MonkeyPat
          "benchmarks train"])
 
 
-def test_the_report_bounds_ddp_over_impl_by_the_one_rank_step() -> None:
-    """With free communication a step takes the one-rank step (times ranks / cores when
-    the ranks outnumber the cores): DDP's step over that is the highest ddp/impl."""
+def test_the_report_bounds_ddp_over_impl_by_the_step_without_communication() -> None:
+    """With free communication a step takes the ``no comm`` step (every rank training at
+    once), not the one-rank step: DDP's step over it is the highest gloo/impl, and the
+    report says so under the table."""
     from benchmarks import report
 
-    def doc(ranks: int) -> dict[str, Any]:
-        rows = [("1 rank", 20.0), ("mpitrain", 24.0), ("ddp", 30.0)]
-        return {"machine": {"ranks": ranks, "cpus": 2}, "command": "c",
+    def doc(rows: list[tuple[str, float]]) -> dict[str, Any]:
+        return {"machine": {"ranks": 2, "cpus": 2, "idle_wait": "busy-poll"}, "command": "c",
                 "settings": {"compression": "none", "batch": 32, "rounds": 3, "steps": 10},
                 "results": [{"model": "m", "impl": i, "step_ms": t, "params": 1e6,
                              "tensors": 4, "samples_per_s": 1.0, "scaling": 1.0,
-                             "difference": 0.0, "ok": True} for i, t in rows]}
+                             "difference": math.nan, "ok": True} for i, t in rows]}
 
-    assert report.scaling_bounds(doc(2)) == {"m": 1.5}
-    assert report.scaling_bounds(doc(4)) == {"m": 0.75}
-    assert report.scaling_bounds({**doc(2), "results": doc(2)["results"][1:]}) == {}
+    full = doc([("1 rank", 10.0), ("no comm", 20.0), ("mpitrain", 24.0), ("ddp", 30.0)])
+    assert report.scaling_bounds(full) == {"m": 1.5}
+    assert report.scaling_bounds(doc([("1 rank", 10.0), ("ddp", 30.0)])) == {}
+    assert report.scaling_bounds(doc([("no comm", 10.0), ("mpitrain", 30.0)])) == {}
+    lines = report.train_tables([report.Run("train", 2, "", "train-np2.json", full)])
+    assert any(line.startswith("Highest `gloo/impl` of DDP") and line.endswith(": m 1.50.")
+               for line in lines), lines
+    no_comm = next(line for line in lines if line.startswith("| m | ") and "no comm" in line)
+    assert no_comm.split(" | ")[6:] == ["-", "-", "- |"]
 
 
 def test_device_implementation_and_reference_options() -> None:
     cpu = train.parse_args(["--small"], quiet=True)
-    assert (cpu.device, cpu.against, cpu.impls) == ("cpu", "ddp",
-                                                    ("1 rank", *train.DEFAULT_IMPLS))
+    assert (cpu.device, cpu.against, cpu.impls) == ("cpu", "ddp", ("1 rank", "no comm",
+                                                                   *train.DEFAULT_IMPLS))
     assert cpu.baseline == "ddp" and cpu.over_gloo and cpu.over_backend
     cuda = train.parse_args(["--device", "cuda"], quiet=True)
-    assert (cuda.against, cuda.impls) == ("reference", ("1 rank", "mpitrain"))
+    assert (cuda.against, cuda.impls) == ("reference", ("1 rank", "no comm", "mpitrain"))
     assert cuda.baseline is None and not cuda.over_gloo and not cuda.over_backend
     ours = train.parse_args(["--device", "cuda", "--impl", "ddp-mpitrain,fsdp-mpitrain"],
                             quiet=True)
-    assert ours.impls == ("1 rank", "ddp-mpitrain", "fsdp-mpitrain") and ours.over_backend
+    assert ours.impls == ("1 rank", "no comm", "ddp-mpitrain", "fsdp-mpitrain")
+    assert ours.over_backend
     picked = train.parse_args(["--impl", "fsdp,fsdp-mpitrain"], quiet=True)
     assert (picked.against, picked.over_gloo) == ("reference", True)
     assert cuda.tolerance == train.GPU_TOLERANCE["none"] > cpu.tolerance
