@@ -1,6 +1,7 @@
 """The ``fusion`` case: many small async allreduces, one big one, and blocking calls.
 
-``python -m benchmarks fusion [-b 10K -e 10K -f 2] [-t 100] [-n 20 -w 5 -d float32 -o sum]``
+``python -m benchmarks fusion [-b 10K -e 10K -f 2] [-t 100] [-n 20 -w 5 -d float32 -o sum]
+[--prescale F]``
 
 For each tensor size ``s`` from ``-b`` to ``-e`` and ``t`` tensors (``--tensors``),
 three calls on the same crafted values are timed, out of place and (unless
@@ -18,6 +19,9 @@ The table prints the three times (max over ranks of each rank's median) side by 
 with ``fused/one`` (the cost of fusion over a buffer the caller packed himself),
 ``blocking/fused`` (what fusion saves over one call per tensor) and the mean number of
 collectives the engine ran per fused call. Every call is verified exactly afterwards.
+With ``--prescale F`` every call passes ``prescale_factor=F`` (a power of two, so that
+the results stay exact: the reduction of the crafted values times ``F``, ``F**n`` for
+``prod``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -66,6 +71,7 @@ class FusionOptions:
     op: str
     json: str | None
     modes: list[bool]
+    prescale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
     p.add_argument("--inplace", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the in-place variant (default: yes)")
     p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
+    p.add_argument("--prescale", type=float, default=1.0, metavar="F",
+                   help="prescale_factor of every call: a power of two, for float "
+                        "datatypes (default 1)")
     a = p.parse_args(argv)
     try:
         sizes = size_series(a.minbytes, a.maxbytes, a.stepfactor)
@@ -127,13 +136,18 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> FusionOptions:
         p.error(f"need -t >= 1, -n >= 1 and -w >= 0, got -t {a.tensors} -n {a.iters} "
                 f"-w {a.warmup_iters}")
     dtype = DTYPES[DTYPE_ALIASES.get(a.datatype, a.datatype)]
+    if a.prescale != 1.0 and (not a.prescale > 0 or math.frexp(a.prescale)[0] != 0.5
+                              or dtype.kind in "iub"):
+        p.error(f"--prescale {a.prescale} with -d {a.datatype}: give a power of two (0.5, "
+                "0.25, 2) and a float datatype, so that the results stay exact")
     return FusionOptions(sizes, a.tensors, a.iters, a.warmup_iters, dtype, a.op, a.json,
-                         [False, True] if a.inplace else [False])
+                         [False, True] if a.inplace else [False], a.prescale)
 
 
 def prepare(comm: mt.Communicator, data: Array, tensors: int, op: str,
-            inplace: bool) -> dict[str, Call]:
-    """The three calls over ``data`` cut into ``tensors`` equal tensors.
+            inplace: bool, prescale: float = 1.0) -> dict[str, Call]:
+    """The three calls over ``data`` cut into ``tensors`` equal tensors, each with
+    ``prescale_factor=prescale``.
 
     Out of place, the single buffer and the blocking calls write into preallocated
     ``out=`` arrays (poisoned before each run), as the harness's allreduce does.
@@ -150,29 +164,32 @@ def prepare(comm: mt.Communicator, data: Array, tensors: int, op: str,
             return run
 
         def fused() -> list[Array]:
-            handles = [comm.allreduce_async_(p, op=op) for p in pieces]
+            handles = [comm.allreduce_async_(p, op=op, prescale_factor=prescale)
+                       for p in pieces]
             for h in handles:
                 h.wait()
             return pieces
 
         def blocking() -> list[Array]:
             for p in singles:
-                comm.allreduce_(p, op=op)
+                comm.allreduce_(p, op=op, prescale_factor=prescale)
             return singles
 
         return {"fused": Call(fused, reset(pieces)),
-                "one buffer": Call(lambda: comm.allreduce_(whole, op=op), restore(whole, data)),
+                "one buffer": Call(lambda: comm.allreduce_(whole, op=op,
+                                                           prescale_factor=prescale),
+                                   restore(whole, data)),
                 "blocking": Call(blocking, reset(singles))}
     whole_out = np.empty_like(data)
     outs = [np.empty_like(p) for p in pieces]
 
     def fused_out() -> list[Array]:
-        handles = [comm.allreduce_async(p, op=op) for p in pieces]
+        handles = [comm.allreduce_async(p, op=op, prescale_factor=prescale) for p in pieces]
         return [h.wait() for h in handles]
 
     def blocking_out() -> list[Array]:
         for p, out in zip(pieces, outs):
-            comm.allreduce(p, op=op, out=out)
+            comm.allreduce(p, op=op, out=out, prescale_factor=prescale)
         return outs
 
     def poison_outs() -> None:
@@ -180,7 +197,8 @@ def prepare(comm: mt.Communicator, data: Array, tensors: int, op: str,
             poison(out)
 
     return {"fused": Call(fused_out, no_reset),
-            "one buffer": Call(lambda: comm.allreduce(data, op=op, out=whole_out),
+            "one buffer": Call(lambda: comm.allreduce(data, op=op, out=whole_out,
+                                                      prescale_factor=prescale),
                                functools.partial(poison, whole_out)),
             "blocking": Call(blocking_out, poison_outs)}
 
@@ -194,10 +212,14 @@ def measure(opts: FusionOptions, nbytes: int, comm: mt.Communicator,
     total = count * opts.tensors
     data = crafted(rank, 0, total, opts.dtype, opts.op)
     calls = {(name, inplace): call for inplace in opts.modes
-             for name, call in prepare(comm, data, opts.tensors, opts.op, inplace).items()}
+             for name, call in prepare(comm, data, opts.tensors, opts.op, inplace,
+                                       opts.prescale).items()}
     before = comm.async_stats().collectives
     times = time_calls(calls, opts.iters, opts.warmup, world.Barrier)
     expected = reduced(nranks, 0, total, opts.dtype, opts.op)
+    if opts.prescale != 1.0:  # a power of two: exact
+        factor = opts.prescale ** nranks if opts.op == "prod" else opts.prescale
+        np.multiply(expected, factor, out=expected, casting="unsafe")
     wrong = np.array([count_wrong(call, expected) for call in calls.values()], np.int64)
     fused_runs = (opts.warmup + opts.iters + 1) * len(opts.modes)
     stats = np.array([statistics.median(t) for t in times.values()]
@@ -245,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info(world)
     settings = ", ".join(f"{s.name}={s.get()!r}" for s in (config.FUSION_THRESHOLD,
                                                           config.CYCLE_TIME_MS))
+    if opts.prescale != 1.0:
+        settings += f"; every call with prescale_factor={opts.prescale}"
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:

@@ -47,6 +47,7 @@ from mpi4py import MPI
 from .. import algorithms
 from ..algorithms import Plan, PlanRequest
 from ..algorithms.chunks import bounds_from_counts, split_bounds
+from ..algorithms.pieces import Pieces
 from ..backends import NUMPY, ArrayBackend, hostcopy
 from ..comm import objects
 from ..comm import shm as shared
@@ -98,6 +99,27 @@ def row_size(shape: tuple[int, ...]) -> int:
     for d in shape[1:]:
         row *= int(d)
     return row
+
+
+def _prescaled(be: ArrayBackend, src: Array | Pieces, out: Array | Pieces,
+               dt: np.dtype[Any], factor: float) -> Array | Pieces:
+    """``src * factor`` where an allreduce into ``out`` can read it, in one pass over
+    the data where it can: a flat ``src`` scaled into ``out``; a fusion bucket's
+    :class:`~mpitrain.algorithms.pieces.Pieces` in place scaled where they are (the
+    result overwrites them anyway: no fusion buffer to pack and unpack), unless two
+    of them share memory (they would be scaled twice), and out of place read into
+    ``out``; both those go through a flat copy that is scaled."""
+    if not isinstance(src, Pieces):
+        be.scale_into(out, src, factor)  # one pass: copy and prescale
+        return out
+    if src is out and not src.overlapping():
+        for piece in src.arrays:
+            be.scale(piece, factor)
+        return src
+    flat = be.empty(src.size, dt) if isinstance(out, Pieces) else out
+    src.read(0, src.size, flat)
+    be.scale(flat, factor)
+    return flat
 
 
 class Dispatcher:
@@ -343,7 +365,7 @@ class Dispatcher:
                      dt: np.dtype[Any]) -> bool:
         """True if an allreduce of ``nbytes`` runs an algorithm that reads and writes
         :class:`~mpitrain.algorithms.pieces.Pieces`: a fusion bucket may then go to
-        :meth:`allreduce_flat` unpacked (without a prescale factor)."""
+        :meth:`allreduce_flat` unpacked."""
         if self.size == 1:
             return False
         name = self.algorithm("allreduce", algorithm, nbytes, be, dt)
@@ -526,8 +548,7 @@ class Dispatcher:
         n = self.size
         scale = postscale / n if op is ReduceOp.AVERAGE else postscale
         if prescale != 1.0:
-            be.scale_into(out, src, prescale)  # one pass: copy and prescale
-            src = out
+            src = _prescaled(be, src, out, dt, prescale)
         count = src.size
         if op is ReduceOp.ADASUM:
             alg = algorithms.ADASUM

@@ -159,12 +159,13 @@ class BucketRunner:
     def _fused(self, bucket: Bucket) -> list[Phase]:
         """Reduce the bucket's arrays as one flat buffer and hand out the results.
 
-        Where the dispatcher's algorithm takes :class:`Pieces` (shared memory, no
-        prescale), the arrays go to it as they are: in place, the results land in
-        them; out of place, in one new buffer. Otherwise they are packed into a new
-        buffer that is reduced in place. Out-of-place results are views of the buffer
-        (no second copy), so it lives as long as any of them; in-place results in a
-        packed buffer are copied back into the caller's arrays.
+        Where the dispatcher's algorithm takes :class:`Pieces` (shared memory), the
+        arrays go to it as they are: in place, the results land in them (a prescale
+        factor scales them there first); out of place, in one new buffer. Otherwise
+        they are packed into a new buffer that is reduced in place. Out-of-place
+        results are views of the buffer (no second copy), so it lives as long as any
+        of them; in-place results in a packed buffer are copied back into the caller's
+        arrays.
         """
         items = bucket.items
         spec = items[0][0].spec
@@ -179,8 +180,8 @@ class BucketRunner:
         inplace = same.inplace if same is not None else _all_or_none(
             [request.spec.inplace for request, _ in items])
         pieces = None
-        if inplace is not None and spec.prescale == 1.0 \
-                and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes, be, dt):
+        if inplace is not None and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes,
+                                                                be, dt):
             pieces = _as_pieces(be, arrays, row is not None, inplace)
         if pieces is None:
             src = buf = be.concatenate(arrays)

@@ -175,6 +175,19 @@ def test_one_bucket_of_mixed_shapes_and_layouts(comm: mt.Communicator) -> None:
     assert_all_ranks(comm, comm.async_stats().fused - before.fused >= 2, "they were fused")
 
 
+def in_place_arrays(values: np.ndarray[Any, Any], bounds: list[tuple[int, int]]
+                    ) -> tuple[list[Any], list[Any]]:
+    """Arrays for in-place calls holding ``values[a:b]`` for each of ``bounds``: copies,
+    and every other one a strided view into a holder whose gaps (3) must stay untouched.
+    Returns the holders and the arrays."""
+    holders = [np.full(2 * (b - a), 3, values.dtype) for a, b in bounds]
+    arrays = []
+    for i, ((a, b), holder) in enumerate(zip(bounds, holders)):
+        holder[::2] = values[a:b]
+        arrays.append(holder[::2] if i % 2 else values[a:b].copy())
+    return holders, arrays
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("segment", ["", "48"])
 @pytest.mark.parametrize("dtype,op", [("float32", mt.Sum), ("int64", mt.Average),
@@ -193,13 +206,7 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, configure: Callabl
         bounds = list(zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)))
         values = crafted(comm.rank, total, dtype, op)
         full = reference(comm.size, total, dtype, op)
-        # in place: contiguous arrays, and every other one a strided view whose gaps
-        # must stay untouched
-        holders = [np.full(2 * (b - a), 3, values.dtype) for a, b in bounds]
-        arrays = []
-        for i, ((a, b), holder) in enumerate(zip(bounds, holders)):
-            holder[::2] = values[a:b]
-            arrays.append(holder[::2] if i % 2 else values[a:b].copy())
+        holders, arrays = in_place_arrays(values, bounds)
         before = comm.async_stats()
         handles = [comm.allreduce_async_(x, op=op) for x in arrays]
         for i, (h, x, (a, b)) in enumerate(zip(handles, arrays, bounds)):
@@ -223,21 +230,86 @@ def test_fused_buckets_without_packing(comm: mt.Communicator, configure: Callabl
     assert_equal_all_ranks(comm, arrays[1], full[12:].reshape(3, 4).T, "transposed in place")
 
 
+def prescaled_reference(size: int, count: int, dtype: str, op: mt.ReduceOp,
+                        factor: float) -> np.ndarray[Any, Any]:
+    """What an allreduce of :func:`crafted` with ``prescale_factor=factor`` returns: each
+    rank's input scaled as the host backend scales (integers rounded down), then
+    reduced (Average's ``1/size`` applied to the sum as :func:`reference` does)."""
+    from mpitrain.backends import NUMPY
+
+    inputs = []
+    for r in range(size):
+        x = crafted(r, count, dtype, op)
+        NUMPY.scale(x, factor)
+        inputs.append(x)
+    acc = inputs[0]
+    for x in inputs[1:]:
+        acc = np.maximum(acc, x) if op is mt.Max else acc + x
+    if op is mt.Average:
+        NUMPY.scale(acc, 1.0 / size)
+    return acc
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("segment", ["", "48"])
+@pytest.mark.parametrize("dtype,op", [("float32", mt.Sum), ("int64", mt.Sum),
+                                      ("float16", mt.Average), ("float64", mt.Max)])
+def test_prescaled_buckets_are_scaled_where_they_are(
+        comm: mt.Communicator, configure: Callable[..., Any],
+        monkeypatch: pytest.MonkeyPatch, segment: str, dtype: str, op: mt.ReduceOp) -> None:
+    """A fusion bucket of in-place allreduces with a prescale factor goes to an algorithm
+    that takes the arrays as they are (shared memory) without a fusion buffer: each
+    array is scaled where it is, then reduced there; strided arrays keep their gaps, and
+    the results equal each rank's input scaled, then reduced. Out of place, the bucket
+    is read once into the result buffer. Nothing is packed (``concatenate``) where the
+    engine's algorithm takes pieces."""
+    from mpitrain.backends import NUMPY
+
+    if segment:
+        configure(segment_bytes=segment)
+    factor = 0.5
+    packed: list[int] = []
+    concatenate = NUMPY.concatenate
+    monkeypatch.setattr(NUMPY, "concatenate",
+                        lambda arrays: packed.append(len(arrays)) or concatenate(arrays))
+    total = 30_011
+    sizes = [0, 3, total // 3, 0, total - total // 3 - 3]
+    bounds = list(zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)))
+    values = crafted(comm.rank, total, dtype, op)
+    want = prescaled_reference(comm.size, total, dtype, op, factor)
+    holders, arrays = in_place_arrays(values, bounds)
+    engine = comm.engine()
+    pieces = engine.dispatcher.takes_pieces(None, values.nbytes, NUMPY, values.dtype)
+    comm.grouped_allreduce_async_(arrays, op=op, prescale_factor=factor).wait()
+    for i, (x, (a, b)) in enumerate(zip(arrays, bounds)):
+        assert_equal_all_ranks(comm, x, want[a:b], f"in place #{i}")
+        assert_all_ranks(comm, bool((holders[i][1::2] == 3).all()), f"gaps of #{i}")
+    outs = comm.grouped_allreduce_async([values[a:b] for a, b in bounds], op=op,
+                                        prescale_factor=factor).wait()
+    for i, (got, (a, b)) in enumerate(zip(outs, bounds)):
+        assert_equal_all_ranks(comm, got, want[a:b], f"out of place #{i}")
+    assert_all_ranks(comm, not pieces or not packed,
+                     f"packed {packed} although the algorithm takes pieces")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("segment", ["", "48"])
+@pytest.mark.parametrize("prescale", [1.0, 0.5])
 def test_in_place_arrays_that_share_memory(comm: mt.Communicator,
-                                           configure: Callable[..., Any], segment: str) -> None:
+                                           configure: Callable[..., Any], segment: str,
+                                           prescale: float) -> None:
     """The same array twice and two overlapping views, in place in one bucket (a
     group: separate submissions may run in separate cycles, one after the other):
     every element ends as the reduction of its original values, as with a fusion
     buffer, also when the bucket takes many stripe rounds (48-byte segments) and a
-    later round would read what an earlier one wrote."""
+    later round would read what an earlier one wrote, and with a prescale factor
+    (applied once to every element, not once per array that holds it)."""
     if segment:
         configure(segment_bytes=segment)
     values = crafted(comm.rank, 100, "float64", mt.Sum)
-    full = reference(comm.size, 100, "float64", mt.Sum)
+    full = reference(comm.size, 100, "float64", mt.Sum) * prescale
     x, y = values[:50].copy(), values[50:].copy()
-    comm.grouped_allreduce_([x, y[:30], x, y[20:]])
+    comm.grouped_allreduce_([x, y[:30], x, y[20:]], prescale_factor=prescale)
     assert_equal_all_ranks(comm, x, full[:50], "the same array twice")
     assert_equal_all_ranks(comm, y, full[50:], "overlapping views")
 

@@ -179,3 +179,32 @@ def test_fusion_benchmark_verifies_and_writes_json(tmp_path: Any,
     with pytest.raises(SystemExit) as exited:  # the harness itself knows no fusion case
         harness.parse_args(["fusion"], nranks=1, quiet=True)
     assert exited.value.code == 2
+
+
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_fusion_benchmark_verifies_prescaled_calls(tmp_path: Any, op: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """With --prescale every call scales its input first; the expected values follow
+    (times F, or F**n for prod), so a call that dropped the factor would count wrong."""
+    from benchmarks.__main__ import main
+
+    out = tmp_path / "fusion.json"
+    assert main(["fusion", "-b", "1K", "-e", "1K", "-t", "5", "-n", "2", "-w", "1",
+                 "-o", op, "--prescale", "0.25", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "prescale_factor=0.25" in text and "Out of bounds values : 0 OK" in text
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["prescale"] == 0.25
+    assert [r["wrong"] for r in saved["results"]] == [0, 0]
+
+
+@pytest.mark.parametrize("args", [["--prescale", "0.3"], ["--prescale", "-0.5"],
+                                  ["--prescale", "0.5", "-d", "int32"]])
+def test_fusion_benchmark_refuses_an_inexact_prescale(args: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import fusion
+
+    with pytest.raises(SystemExit) as exited:
+        fusion.parse_args(args)
+    assert exited.value.code == 2
+    assert "power of two" in capsys.readouterr().err
