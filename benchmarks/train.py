@@ -46,6 +46,12 @@ it); the step time reported is the maximum over ranks of each rank's median.
 time over the step time (the per-rank batch is fixed: weak scaling), 1.0 for perfect
 scaling; ``gloo/impl`` is the step time of the gloo implementation of the same kind
 (DDP for ``mpitrain`` and the ``ddp`` rows, FSDP for the ``fsdp`` rows) over the row's.
+A ``# CPU/step`` line per model says where each implementation's processor time went:
+the rank's CPU time per timed step, all threads, and the part outside the training
+thread (a backend's communication threads: mpitrain's engine and stall inspector,
+gloo's), each the maximum over ranks. Where a rank has one core, the step cannot be
+shorter than its CPU time; a wait counts where it spins (mpitrain's shared-memory
+barriers, where every rank has a core), not where it blocks.
 
 Verification: every implementation took the same steps on the same data, so their
 parameters must agree at the end. The measure is the norm of the difference from the
@@ -492,6 +498,11 @@ class TrainResult:
     steps: int
     difference: float
     ok: bool
+    cpu_ms: float = math.nan
+    """CPU time of the rank's process per step, every thread (max over ranks)."""
+    other_cpu_ms: float = math.nan
+    """Of it, the threads other than the one that trains: a backend's communication
+    threads (mpitrain's engine and stall inspector, gloo's), max over ranks."""
 
 
 def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
@@ -522,17 +533,24 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
         return batch_on(rank, step)
 
     times: dict[str, list[float]] = {impl: [] for impl in opts.impls}
+    # CPU seconds over the timed blocks: [every thread, the training thread]
+    cpu = {impl: np.zeros(2) for impl in opts.impls}
     for round_index in range(-1 if opts.warmup else 0, opts.rounds):
         steps = opts.warmup if round_index < 0 else opts.steps
         for impl in block_order(opts.impls, max(round_index, 0)):
             if impl == ALONE:  # rank 0 alone, the others asleep
+                begun = cpu_now()
                 done = timed_steps(trained[impl], steps, batch_of) if rank == 0 else []
+                used = cpu_now(end=True) - begun
                 idle_barrier(world)
             else:
                 world.Barrier()
+                begun = cpu_now()
                 done = timed_steps(trained[impl], steps, batch_of)
+                used = cpu_now(end=True) - begun
             if round_index >= 0:
                 times[impl] += done
+                cpu[impl] += used
     ends = {impl: full_parameters(trained[impl].model) for impl in opts.parallel}
     if opts.baseline is not None:
         theirs = ends[opts.baseline]
@@ -542,14 +560,16 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
     mine = [update_difference(ends[impl], theirs, start) for impl in opts.parallel]
     differences = np.array(world.allgather(mine), dtype=float)  # ranks x implementations
     # median, min, max per implementation; the 1-rank times are rank 0's (0 elsewhere)
-    stats = np.array([[statistics.median(t), min(t), max(t)] if t else [0.0, 0.0, 0.0]
-                      for t in times.values()])
+    # and CPU per step: every thread, the other threads
+    stats = np.array([[statistics.median(t), min(t), max(t),
+                       cpu[impl][0] / len(t), (cpu[impl][0] - cpu[impl][1]) / len(t)]
+                      if t else [0.0] * 5 for impl, t in times.items()])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
     params = list(initial.parameters())
     count, tensors = sum(p.numel() for p in params), len(params)
     one_rank_s = stats[0][0]
     rows = []
-    for impl, (median, fastest, longest) in zip(times, stats):
+    for impl, (median, fastest, longest, cpu_s, other_s) in zip(times, stats):
         alone, checked = impl == ALONE, impl not in (*BASELINES, opts.baseline)
         column = differences[:, opts.parallel.index(impl)] if checked else np.zeros(1)
         difference = math.nan if np.isnan(column).any() else float(column.max())
@@ -560,8 +580,29 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
                                 samples_per_second(opts.batch, ranks, median),
                                 scaling_efficiency(one_rank_s, median),
                                 opts.steps * opts.rounds, difference if checked else math.nan,
-                                matches(difference, opts.tolerance) if checked else True))
+                                matches(difference, opts.tolerance) if checked else True,
+                                cpu_s * 1e3, other_s * 1e3))
     return rows
+
+
+def cpu_now(end: bool = False) -> np.ndarray[Any, Any]:
+    """CPU seconds used so far by this process (every thread) and by this thread: the
+    process first at the start of a span, last at its ``end``, so that this thread's
+    time between the two readings counts to the process only and the difference of
+    the two (the other threads') is never negative."""
+    if end:
+        thread = time.thread_time()
+        return np.array([time.process_time(), thread])
+    process = time.process_time()
+    return np.array([process, time.thread_time()])
+
+
+def cpu_line(rows: Sequence[TrainResult]) -> str:
+    """Where each implementation's CPU time per step goes (one model's rows): all of it,
+    and the part outside the training thread."""
+    return f"# CPU/step {rows[0].model:>8} : " + "; ".join(
+        f"{r.impl} {r.cpu_ms:.1f} ms ({r.other_cpu_ms:.1f} off the training thread)"
+        for r in rows)
 
 
 # -- the table ------------------------------------------------------------------------
@@ -666,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = measure(opts, name, world, groups)
         results += rows
         emit(table_rows(rows))
+    emit([cpu_line([r for r in results if r.model == name]) for name in opts.models])
     emit(verification_lines(results, opts.tolerance, opts.against))
     if rank == 0 and opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
@@ -674,7 +716,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     "tolerance": opts.tolerance},
                        "timing": "step_ms = max over ranks of each rank's median step time; "
                                  f"min/max likewise; {ALONE} = rank 0 alone; "
-                                 f"{NO_COMM} = every rank alone at once",
+                                 f"{NO_COMM} = every rank alone at once; cpu_ms = the "
+                                 "process's CPU time per timed step, other_cpu_ms its "
+                                 "threads but the training one's, max over ranks",
                        "results": [asdict(r) for r in results]}, f, indent=1)
             f.write("\n")
     if groups:

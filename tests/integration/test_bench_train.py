@@ -29,6 +29,9 @@ def test_train_benchmark_prints_the_table_and_verifies(tmp_path: Path) -> None:
     assert all((r[5], r[-4], r[-2]) == ("-", "N/A", "N/A") for r in rows
                if " ".join(r[6:-10]) in ("1 rank", "no comm"))
     assert "# Mismatched trainings : 0 OK" in result.out
+    cpu = [line for line in result.out.splitlines() if line.startswith("# CPU/step")]
+    assert [line.split()[2] for line in cpu] == ["mlp", "convnet"], result.out
+    assert all(f"; {i} " in line for line in cpu for i in impls[1:]), cpu
     doc = json.loads(out.read_text())
     assert doc["case"] == "train" and doc["machine"]["ranks"] == 2
     assert doc["machine"]["idle_wait"] == "yield"
@@ -36,6 +39,7 @@ def test_train_benchmark_prints_the_table_and_verifies(tmp_path: Path) -> None:
         (m, i) for m in ("mlp", "convnet") for i in impls}
     for r in doc["results"]:
         assert r["step_ms"] > 0 and r["steps"] == 4
+        assert r["cpu_ms"] > 0 and 0 <= r["other_cpu_ms"] <= r["cpu_ms"], r
         if r["impl"] not in ("1 rank", "no comm", "ddp"):
             assert r["ok"] and r["difference"] < doc["settings"]["tolerance"]
 

@@ -97,6 +97,16 @@ def test_table_shows_ratio_against_gloo_of_the_same_kind_and_the_check() -> None
     assert len(train.table_header()[0]) == len(lines[0])
 
 
+def test_cpu_line_says_where_each_implementations_cpu_went() -> None:
+    rows = [train.TrainResult(*[getattr(_row(impl, 10.0), f) for f in
+                                train.TrainResult.__dataclass_fields__][:-2], cpu, other)
+            for impl, cpu, other in (("1 rank", 9.5, 0.04), ("ddp", 14.25, 4.5))]
+    assert train.cpu_line(rows) == (
+        "# CPU/step      mlp : 1 rank 9.5 ms (0.0 off the training thread); "
+        "ddp 14.2 ms (4.5 off the training thread)")
+    assert math.isnan(_row("ddp", 1.0).cpu_ms)  # results written before it have none
+
+
 def test_verification_lines_count_failures_of_every_checked_implementation() -> None:
     good = train.verification_lines([_row("mpitrain", 1.0), _row("ddp", 1.0),
                                      _row("ddp-mpitrain", 1.0)], 1e-4)
