@@ -113,8 +113,13 @@ class NumpyBackend:
             np.multiply(arr, factor, out=arr, casting="unsafe")
 
     def scale_into(self, dst: Array, src: Array, factor: float) -> None:
-        """``dst = src * factor``."""
+        """``dst = src * factor``: one pass for floats and complex numbers of one dtype
+        (the multiplication writes ``dst``), else a copy scaled in place."""
         if factor != 1.0 and hostcopy.scale16(dst, src, factor):
+            return
+        if dst is not src and factor != 1.0 and dst.size and dst.dtype == src.dtype \
+                and dst.dtype.kind in "fc":
+            np.multiply(src, factor, out=dst, casting="unsafe")
             return
         if dst is not src:
             np.copyto(dst, src)

@@ -168,6 +168,26 @@ def test_numpy_backend_fusion_casts_and_fused_scaling() -> None:
         pass
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "int32", "uint8"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_numpy_scale_into_equals_a_copy_scaled_in_place(dtype: str, strided: bool) -> None:
+    """scale_into (one multiplication into dst for floats and complex numbers) gives the
+    bits of copying and scaling in place, rounds integers down as scale does, reads a
+    strided source and leaves it as it was."""
+    rng = np.random.default_rng(5)
+    whole = (rng.standard_normal(2002) * 100).astype(dtype) if dtype[0] in "fc" \
+        else rng.integers(0, 100, 2002).astype(dtype)
+    src = whole[::2] if strided else whole[:1001]
+    kept = src.copy()
+    for factor in (0.3, 0.5, -2.0 if dtype[0] != "u" else 2.0):
+        want = src.copy()
+        NUMPY.scale(want, factor)
+        out = np.empty(src.size, dtype)
+        NUMPY.scale_into(out, src, factor)
+        assert out.tobytes() == want.tobytes(), factor
+        assert np.array_equal(src, kept)
+
+
 @pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes not installed")
 def test_numpy_bfloat16_cast_rounds_to_nearest_even() -> None:
     assert BFLOAT16 is not None
