@@ -103,22 +103,22 @@ def row_size(shape: tuple[int, ...]) -> int:
 
 def _prescaled(be: ArrayBackend, src: Array | Pieces, out: Array | Pieces,
                dt: np.dtype[Any], factor: float) -> Array | Pieces:
-    """``src * factor`` where an allreduce into ``out`` can read it, in one pass over
-    the data where it can: a flat ``src`` scaled into ``out``; a fusion bucket's
-    :class:`~mpitrain.algorithms.pieces.Pieces` in place scaled where they are (the
-    result overwrites them anyway: no fusion buffer to pack and unpack), unless two
-    of them share memory (they would be scaled twice), and out of place read into
-    ``out``; both those go through a flat copy that is scaled."""
+    """``src * factor`` where the allreduce into ``out`` will read it, each element
+    read and written once: in place, a fusion bucket's
+    :class:`~mpitrain.algorithms.pieces.Pieces` are scaled where they are (the result
+    overwrites them anyway); otherwise ``src`` is scaled into ``out``, or into a new
+    flat buffer where ``out`` is pieces that share memory (scaled where they are, an
+    element held by two pieces would be scaled twice)."""
     if not isinstance(src, Pieces):
-        be.scale_into(out, src, factor)  # one pass: copy and prescale
+        be.scale_into(out, src, factor)
         return out
     if src is out and not src.overlapping():
         for piece in src.arrays:
             be.scale(piece, factor)
         return src
     flat = be.empty(src.size, dt) if isinstance(out, Pieces) else out
-    src.read(0, src.size, flat)
-    be.scale(flat, factor)
+    for piece, start in zip(src.arrays, src.starts):
+        be.scale_into(flat[start:start + piece.size], piece, factor)
     return flat
 
 
