@@ -7,7 +7,10 @@ trip: submission, negotiation, the run, the handle) and mpi4py's
 ``MPI.COMM_WORLD.Barrier()``, interleaved (A B A B ...: one block of ``--iters`` calls
 of each in turn, ``--blocks`` times), so that a disturbance of a shared machine hits
 every variant alike. It prints the median time per call over the blocks and its ratio
-to the native call (rank 0's clock).
+to the native call (rank 0's clock). The ranks run on without meeting between blocks,
+so a block may start while another rank is still in the last one; ``--in-step`` makes
+them meet at an MPI barrier (not timed) before every block, as the ranks of a training
+loop reach its collectives together.
 
 Every allreduce is checked: the inputs are the crafted values of the collective
 benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
@@ -46,6 +49,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="message sizes in bytes of float32 (comma-separated)")
     p.add_argument("--blocks", type=int, default=200, help="blocks per variant")
     p.add_argument("--iters", type=int, default=20, help="calls per block")
+    p.add_argument("--in-step", action="store_true",
+                   help="the ranks meet at a barrier (not timed) before every block")
     return p.parse_args(argv)
 
 
@@ -117,10 +122,12 @@ def no_op() -> None:
     """The reset of a call that produces nothing."""
 
 
-def interleaved(cases: dict[str, Case], blocks: int, iters: int) -> tuple[dict[str, float],
-                                                                          dict[str, int]]:
+def interleaved(cases: dict[str, Case], blocks: int, iters: int,
+                meet: Callable[[], None] = lambda: None) -> tuple[dict[str, float],
+                                                                 dict[str, int]]:
     """Median microseconds per call of each case, blocks of ``iters`` calls in turn, and
-    the wrong elements each case produced over every block (this rank's)."""
+    the wrong elements each case produced over every block (this rank's); ``meet`` runs
+    before every timed block (untimed)."""
     times: dict[str, list[float]] = {k: [] for k in cases}
     wrong = dict.fromkeys(cases, 0)
     for case in cases.values():  # warm-up: plans, caches, connections
@@ -132,6 +139,7 @@ def interleaved(cases: dict[str, Case], blocks: int, iters: int) -> tuple[dict[s
     for _ in range(blocks):
         for name, case in cases.items():
             case.reset()
+            meet()
             start = clock()
             for i in range(iters):
                 case.call(i)
@@ -152,11 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = [allreduce_cases(comm, world, int(s), args.iters) for s in args.sizes.split(",")]
     groups.append(barrier_cases(comm, world))
     if world.rank == 0:
-        print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls; "
-              "every allreduce result checked")
+        print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls"
+              f"{', the ranks meeting before each' if args.in_step else ''}; every allreduce "
+              "result checked")
     total_wrong = 0
     for cases in groups:
-        medians, wrong = interleaved(cases, args.blocks, args.iters)
+        medians, wrong = interleaved(cases, args.blocks, args.iters,
+                                     world.Barrier if args.in_step else (lambda: None))
         native = medians[list(cases)[-1]]
         bad = {name: world.allreduce(n, op=MPI.SUM) for name, n in wrong.items()}
         total_wrong += sum(bad.values())

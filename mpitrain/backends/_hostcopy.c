@@ -58,6 +58,10 @@
  * without the interpreter: Counters(words, rank, size).agree(t, fingerprint, polls)
  * publishes the fingerprint, arrives and spins a bounded number of tests, in one call
  * (see the type below).
+ *
+ * And it holds the doorbell on which the async engine's progress thread sleeps
+ * (mpitrain/engine/engine.py): Doorbell().ring(settle), .taken(), .sleep(timeout,
+ * settle_s), which keeps the sleeper off the GIL until it knows it has work (see the type).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,6 +71,9 @@
 #ifdef __linux__
 #include <sys/prctl.h>
 #include <sys/uio.h>
+#include <pthread.h>
+#include <time.h>
+#define HAVE_DOORBELL 1
 #endif
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
@@ -742,6 +749,188 @@ static PyObject *use_simd(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(was);
 }
 
+#ifdef HAVE_DOORBELL
+/* ---- the async engine's doorbell ------------------------------------------------ */
+
+/* Doorbell(): where the async engine's progress thread sleeps (mpitrain/engine/engine.py),
+ * with the GIL released from the moment it sleeps until it knows it has work.
+ *
+ *   ring(settle)             wake the sleeper, or make its next sleep return at once;
+ *                            settle: a submission, which its caller may run itself
+ *   taken()                  a caller took all the work rung for so far
+ *   sleep(timeout, settle_s) -> bool: wait for a ring (timeout < 0: for ever); False if
+ *                            the timeout passed without one
+ *
+ * Woken by rings that all asked to settle, the sleeper waits settle_s more (still
+ * without the GIL) and, if a caller has taken all the work rung for by then, sleeps on
+ * instead of coming back; a ring without settle wakes it for good. A condition
+ * variable's waiter takes the GIL the moment it is woken: woken by a submission whose
+ * caller then waits for it, running the engine's cycle on its own thread, the progress
+ * thread would take the GIL from that caller in mid-cycle (at every call that releases
+ * it) only to find the work gone. */
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int ready;
+    int rung;    /* a ring since the sleeper last looked */
+    int urgent;  /* a ring without settle since then */
+    int taken;   /* a caller took all the work rung for */
+} Doorbell;
+
+static int doorbell_init(Doorbell *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":Doorbell", names))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Doorbell is already initialized");
+        return -1;
+    }
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0 ||
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
+        pthread_cond_init(&self->cv, &attr) != 0) {
+        PyErr_SetString(PyExc_OSError, "Doorbell: cannot make a condition variable");
+        return -1;
+    }
+    pthread_condattr_destroy(&attr);
+    if (pthread_mutex_init(&self->mu, NULL) != 0) {
+        pthread_cond_destroy(&self->cv);
+        PyErr_SetString(PyExc_OSError, "Doorbell: cannot make a mutex");
+        return -1;
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static void doorbell_dealloc(Doorbell *self) {
+    if (self->ready) {
+        pthread_cond_destroy(&self->cv);
+        pthread_mutex_destroy(&self->mu);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int doorbell_check(Doorbell *self) {
+    if (!self->ready)
+        PyErr_SetString(PyExc_RuntimeError, "Doorbell is not initialized");
+    return self->ready;
+}
+
+static PyObject *doorbell_ring(Doorbell *self, PyObject *settle) {
+    if (!doorbell_check(self))
+        return NULL;
+    int want = PyObject_IsTrue(settle);
+    if (want < 0)
+        return NULL;
+    pthread_mutex_lock(&self->mu);
+    self->rung = 1;
+    if (!want)
+        self->urgent = 1;
+    self->taken = 0;
+    pthread_cond_signal(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *doorbell_taken(Doorbell *self, PyObject *unused) {
+    (void)unused;
+    if (!doorbell_check(self))
+        return NULL;
+    pthread_mutex_lock(&self->mu);
+    self->taken = 1;
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+static struct timespec after(const struct timespec *from, double seconds) {
+    struct timespec t = *from;
+    double whole = (double)(int64_t)seconds;
+    t.tv_sec += (time_t)whole;
+    t.tv_nsec += (long)((seconds - whole) * 1e9);
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
+static PyObject *doorbell_sleep(Doorbell *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "sleep(timeout, settle_s) takes 2 arguments");
+        return NULL;
+    }
+    if (!doorbell_check(self))
+        return NULL;
+    double timeout = PyFloat_AsDouble(args[0]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    double settle_s = PyFloat_AsDouble(args[1]);
+    if (settle_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    int rung = 1;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec now, end;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    end = after(&now, timeout < 0 ? 0 : timeout);
+    pthread_mutex_lock(&self->mu);
+    for (;;) {
+        while (!self->rung) {
+            if (timeout < 0) {
+                pthread_cond_wait(&self->cv, &self->mu);
+            } else if (pthread_cond_timedwait(&self->cv, &self->mu, &end) == ETIMEDOUT &&
+                       !self->rung) {
+                rung = 0;
+                break;
+            }
+        }
+        if (!rung)
+            break;
+        self->rung = 0;
+        if (self->urgent || settle_s <= 0)
+            break;
+        pthread_mutex_unlock(&self->mu);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        struct timespec pause = after(&now, settle_s);
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &pause, NULL) == EINTR)
+            ;
+        pthread_mutex_lock(&self->mu);
+        if (self->urgent || !self->taken)
+            break;  /* work nobody took, or a ring that asks for the thread: go and look */
+    }
+    self->urgent = 0;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(rung);
+}
+
+static PyMethodDef doorbell_methods[] = {
+    {"ring", (PyCFunction)doorbell_ring, METH_O,
+     "ring(settle): wake the sleeper, or make its next sleep return at once; settle: the "
+     "ring is a submission that its caller may run itself."},
+    {"taken", (PyCFunction)doorbell_taken, METH_NOARGS,
+     "taken(): a caller took all the work rung for so far."},
+    {"sleep", (PyCFunction)(void (*)(void))doorbell_sleep, METH_FASTCALL,
+     "sleep(timeout, settle_s) -> bool: without the GIL, wait for a ring (timeout < 0: for "
+     "ever; False on a timeout); after rings that all asked to settle, wait settle_s more "
+     "and sleep on if a caller took all the work meanwhile."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject DoorbellType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpitrain.backends._hostcopy.Doorbell",
+    .tp_basicsize = sizeof(Doorbell),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Doorbell(): where the async engine's progress thread sleeps without the GIL.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)doorbell_init,
+    .tp_dealloc = (destructor)doorbell_dealloc,
+    .tp_methods = doorbell_methods,
+};
+
+#endif
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(flat, parts) -> bool: copy the parts' bytes one after the other into flat "
@@ -787,6 +976,10 @@ PyMODINIT_FUNC PyInit__hostcopy(void) {
 #endif
     if (PyType_Ready(&CountersType) < 0)
         return NULL;
+#ifdef HAVE_DOORBELL
+    if (PyType_Ready(&DoorbellType) < 0)
+        return NULL;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -796,6 +989,14 @@ PyMODINIT_FUNC PyInit__hostcopy(void) {
         Py_DECREF(m);
         return NULL;
     }
+#ifdef HAVE_DOORBELL
+    Py_INCREF(&DoorbellType);
+    if (PyModule_AddObject(m, "Doorbell", (PyObject *)&DoorbellType) < 0) {
+        Py_DECREF(&DoorbellType);
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
     if (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 ||
         PyModule_AddIntConstant(m, "KIND_FLOAT16", KIND_FLOAT16) < 0 ||
         PyModule_AddIntConstant(m, "KIND_BFLOAT16", KIND_BFLOAT16) < 0 ||

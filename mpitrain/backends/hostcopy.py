@@ -43,10 +43,16 @@ ranks may.
 arrive, spin a bounded number of tests and compare: through the interpreter those
 steps cost more than the wait for the other ranks (docs/benchmarks.md, "A compiled
 barrier").
+
+:func:`doorbell` is where the async engine's progress thread sleeps: woken by a
+submission, it stays off the GIL a little longer, so that a caller that submits and
+then waits runs the cycle on its own thread undisturbed (:mod:`mpitrain.engine`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -203,10 +209,70 @@ def counters(words: Any, rank: int, size: int) -> Any:
     return None if _EXTENSION is None else _EXTENSION.Counters(words, rank, size)
 
 
+class _Doorbell:
+    """The doorbell of :func:`doorbell` where the extension is not built: the same
+    rules, but the sleeper takes the GIL back as soon as it is woken."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rung = self._urgent = self._taken = False
+
+    def ring(self, settle: bool) -> None:
+        with self._cond:
+            self._rung, self._taken = True, False
+            self._urgent = self._urgent or not settle
+            self._cond.notify()
+
+    def taken(self) -> None:
+        with self._cond:
+            self._taken = True
+
+    def sleep(self, timeout: float, settle_s: float) -> bool:
+        end = None if timeout < 0 else time.monotonic() + timeout
+        with self._cond:
+            try:
+                while True:
+                    while not self._rung:
+                        left = None if end is None else end - time.monotonic()
+                        if left is not None and left <= 0:
+                            return False
+                        self._cond.wait(left)
+                    self._rung = False
+                    if self._urgent or settle_s <= 0:
+                        return True
+                    self._cond.release()
+                    try:
+                        time.sleep(settle_s)
+                    finally:
+                        self._cond.acquire()
+                    if self._urgent or not self._taken:
+                        return True
+            finally:
+                self._urgent = False
+
+
+def doorbell() -> Any:
+    """Where the async engine's progress thread sleeps (:mod:`mpitrain.engine`).
+
+    ``ring(settle)`` wakes the sleeper, or makes its next sleep return at once;
+    ``settle`` marks a submission, which its caller may run itself by waiting for it.
+    ``taken()`` says that a caller took all the work rung for so far.
+    ``sleep(timeout, settle_s)`` waits for a ring (``timeout < 0``: for ever; ``False``
+    after a timeout); woken by rings that all asked to settle, it waits ``settle_s``
+    more and, if a caller has taken all the work rung for by then, sleeps on; a ring
+    without ``settle`` wakes it for good. The extension's sleep holds no GIL until it
+    knows there is work, so a caller that submits and then runs the cycle itself keeps
+    the GIL meanwhile (Linux; elsewhere, and without the extension, a Python condition
+    variable with the same rules).
+    """
+    bell = None if _EXTENSION is None else getattr(_EXTENSION, "Doorbell", None)
+    return _Doorbell() if bell is None else bell()
+
+
 def compiled() -> bool:
     """True if the C extension is built (else every copy goes through numpy)."""
     return _EXTENSION is not None
 
 
-__all__ = ["address", "allow_peers", "check", "compiled", "convert16", "counters", "gather",
-           "read_peer", "reduce16", "scale16", "scatter", "yama_scope"]
+__all__ = ["address", "allow_peers", "check", "compiled", "convert16", "counters", "doorbell",
+           "gather", "read_peer", "reduce16", "scale16", "scatter", "yama_scope"]

@@ -33,10 +33,15 @@ cycles exclusive), which saves the two thread switches of handing the work to th
 progress thread and back; it leaves the rest to the progress thread as soon as a
 cycle moves nothing.
 
-With nothing in flight the thread sleeps on a condition variable until a submission
-or :meth:`Engine.stop` wakes it; a cycle that changed nothing (ranks waiting for each
+With nothing in flight the thread sleeps on a doorbell
+(:func:`~mpitrain.backends.hostcopy.doorbell`) until a submission or
+:meth:`Engine.stop` rings it; a cycle that changed nothing (ranks waiting for each
 other's submissions) is followed by a pause of ``MPITRAIN_CYCLE_TIME_MS``, cut short
-by the next submission.
+by the next submission. Woken by a submission, the thread stays off the GIL for
+:data:`SUBMIT_SETTLE_S` before it looks for work: a caller that waits at once (every
+blocking call of the framework adapters: ``hvd.allreduce``, a ``torch.distributed``
+collective without ``async_op``) has run the cycle on its own thread by then, where
+the two threads would otherwise pass the GIL back and forth in the middle of it.
 
 :meth:`Engine.stop` is collective: the stop flag travels with the cycles, and the
 thread ends in the first cycle in which every rank has asked to stop, after running
@@ -60,7 +65,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import timeline
-from ..backends import NUMPY, ArrayBackend, backend_named
+from ..backends import NUMPY, ArrayBackend, backend_named, hostcopy
 from ..config import Settings
 from ..dispatch import Call, Dispatcher
 from ..errors import ArgumentError, CommunicationError, MismatchError, StallError
@@ -88,6 +93,11 @@ EXIT_TIMEOUT_S = 30.0
 by :func:`mpitrain.shutdown` before leaving its (daemon) thread behind."""
 
 log = logging.getLogger("mpitrain")
+SUBMIT_SETTLE_S = 200e-6
+"""How long the progress thread, woken by a submission, stays off the GIL before it looks
+for work: a caller that waits for what it submitted runs the cycle on its own thread
+(:meth:`Engine._drive`) meanwhile, without the two threads handing the GIL back and
+forth; an operation nobody waits for starts this much later."""
 LOGGED_CYCLES = 256
 """How many kinds of cycle the DEBUG log remembers as logged (then it starts over)."""
 _LIVE: set[Engine] = set()  # started and not stopped (each is kept alive by its thread)
@@ -143,8 +153,8 @@ class Engine:
         """This engine's number in this process, in the order of their starts."""
         self.lane_name = f"mpitrain engine {self.lane} (rank 0 of {self.size})"
         self._lock = threading.Lock()  # guards the submission state below
-        self._cond = threading.Condition(self._lock)  # the progress thread sleeps on it
-        self._idle = False  # the progress thread is (about to be) asleep: wake it
+        self._cond = threading.Condition(self._lock)  # guards the state below
+        self._bell = hostcopy.doorbell()  # the progress thread sleeps on it (_sleep)
         self._cycling = threading.Lock()  # held by the thread running a cycle
         self._incoming: list[Request] = []
         self._due: list[tuple[Callable[[Handle], None], Handle]] = []  # callbacks to call
@@ -332,8 +342,7 @@ class Engine:
             if self._closed is not None or name in self._in_flight:
                 return
             self._incoming.append(refusal)
-            if self._idle:
-                self._wake()
+            self._wake()
 
     def refuse(self, kind: str, name: Any, exc: Exception) -> None:
         """Announce, as :meth:`_refused` does, that a caller above the engine (a framework
@@ -390,8 +399,8 @@ class Engine:
             if name is not None:
                 self._in_flight.add(name)
             self._incoming.append(request)
-            if self._idle and not self._batches:  # one wake-up per sleep, not per submission
-                self._wake()
+            if not self._batches:
+                self._wake(settle=True)
         return request
 
     @contextlib.contextmanager
@@ -475,15 +484,11 @@ class Engine:
             while not self._finished:
                 with self._cond:
                     if not self._has_work():
-                        # A waiting caller may take the work this wakes us for, so mark
-                        # the sleep again after every wake-up (or no one wakes us next).
+                        # a waiting caller may have taken the work we were woken for
                         while not self._has_work() and not self._finished:
-                            self._idle = True
-                            self._cond.wait()
+                            self._sleep(-1.0)
                     elif not progressed and not (self._incoming and not self._batches):
-                        self._idle = True
-                        self._cond.wait(self._cycle_seconds())
-                    self._idle = False
+                        self._sleep(self._cycle_seconds())
                 with self._cycling:  # a waiting caller may be running a cycle
                     # never an empty cycle: every rank would have to match it
                     if not self._finished:
@@ -504,11 +509,23 @@ class Engine:
         return bool((self._incoming and (driving or not self._batches)) or self._pending) \
             or self._stopping or self._join is not None
 
-    def _wake(self) -> None:
-        """Wake the progress thread if it sleeps (hold ``_cond``)."""
-        if self._idle:
-            self._idle = False
-            self._cond.notify()
+    def _sleep(self, timeout: float) -> None:
+        """Sleep on the doorbell until :meth:`_wake` or ``timeout`` seconds (< 0: no
+        limit); called and returns holding ``_cond``, which it lets go meanwhile (a
+        ring after the release makes the sleep return at once)."""
+        self._cond.release()
+        try:
+            self._bell.sleep(timeout, SUBMIT_SETTLE_S)
+        finally:
+            self._cond.acquire()
+
+    def _wake(self, settle: bool = False) -> None:
+        """Wake the progress thread, or make its next sleep return at once (hold
+        ``_cond``). ``settle``: a new submission, which the caller may be about to wait
+        for and so run on its own thread (:meth:`_drive`): the thread then waits
+        :data:`SUBMIT_SETTLE_S` before it takes the GIL, and sleeps on if the caller took
+        the work (:meth:`_step`) meanwhile."""
+        self._bell.ring(settle)
 
     def _drive(self, handle: Handle) -> None:
         """Run cycles on the thread of a caller blocked in ``handle.wait()``.
@@ -552,6 +569,8 @@ class Engine:
             stopping = self._stopping
             if driving or stopping or not self._batches:
                 incoming, self._incoming = self._incoming, []
+                if driving and incoming:
+                    self._bell.taken()
             else:
                 incoming = []
             joining = self._join is not None
@@ -834,7 +853,7 @@ class Engine:
         self._finished = True
         with self._cond:
             self._closed = f"failed: {exc!r}"
-            self._cond.notify()  # the progress thread may be asleep: let it end
+            self._bell.ring(False)  # the progress thread may be asleep: let it end
             doomed = list(self._pending.values()) + self._incoming + [
                 r for r in self._running if not r.done and r.name not in self._pending]
             if self._join is not None:

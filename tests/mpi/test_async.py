@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -751,26 +750,50 @@ def test_free_stops_the_engine(comm: mt.Communicator) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_idle_engine_sleeps(comm: mt.Communicator) -> None:
-    """With nothing in flight the progress thread waits on its condition, with no
+    """With nothing in flight the progress thread sleeps on its doorbell, with no
     timeout, and runs no cycle: it is found there every time it is looked at, not in a
     loop."""
-    comm.allreduce_async(np.ones(4)).wait()  # the engine exists and has just worked
-    worker = comm.engine()._worker
+    engine = comm.engine()
+    real = engine._bell
 
-    def asleep() -> bool:
-        frame = sys._current_frames().get(worker.ident or 0)
-        return frame is not None and frame.f_code is threading.Condition.wait.__code__ \
-            and frame.f_locals.get("timeout") is None
+    class Watched:
+        """The engine's doorbell, telling whether a sleep (and with what timeout) is on."""
 
-    deadline = time.monotonic() + 60
-    while not asleep() and time.monotonic() < deadline:  # it goes to sleep after the work
-        time.sleep(0.001)
-    cycles = comm.async_stats().cycles
-    looks = []
-    for _ in range(50):
-        looks.append(asleep())
-        time.sleep(0.002)
-    ran = comm.async_stats().cycles - cycles
+        sleeping: float | None = None
+
+        def sleep(self, timeout: float, settle_s: float) -> bool:
+            self.sleeping = timeout
+            try:
+                return bool(real.sleep(timeout, settle_s))
+            finally:
+                self.sleeping = None
+
+        def ring(self, settle: bool) -> None:
+            real.ring(settle)
+
+        def taken(self) -> None:
+            real.taken()
+
+    bell = engine._bell = Watched()
+    real.ring(False)  # a sleep on the real bell ends: the next one is watched
+    try:
+        comm.allreduce_async(np.ones(4)).wait()  # the engine has just worked
+
+        def asleep() -> bool:
+            return bell.sleeping is not None and bell.sleeping < 0
+
+        deadline = time.monotonic() + 60
+        while not asleep() and time.monotonic() < deadline:  # it goes to sleep after the work
+            time.sleep(0.001)
+        cycles = comm.async_stats().cycles
+        looks = []
+        for _ in range(50):
+            looks.append(asleep())
+            time.sleep(0.002)
+        ran = comm.async_stats().cycles - cycles
+    finally:
+        engine._bell = real
+        engine._bell.ring(False)  # a sleep on the watched bell goes on on the real one
     assert_all_ranks(comm, all(looks) and ran == 0,
                      f"asleep at {sum(looks)} of 50 looks; {ran} cycles ran meanwhile")
 

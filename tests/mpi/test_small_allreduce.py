@@ -22,6 +22,7 @@ from helpers import (
     ops_for,
     reference,
 )
+from mpi4py import MPI
 
 import mpitrain as mt
 from mpitrain.dispatch.dispatcher import SLOT_BYTES
@@ -199,14 +200,36 @@ def test_mismatch_raises_on_every_rank(comm: mt.Communicator, case: str) -> None
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("in_step", [False, True], ids=["free", "in-step"])
 def test_the_latency_benchmark_checks_its_results(comm: mt.Communicator,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """Every variant and size prints its line with no wrong element."""
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  in_step: bool) -> None:
+    """Every variant and size prints its line with no wrong element; with ``--in-step``
+    the ranks meet at a barrier before every block (and only then)."""
     from benchmarks import latency
 
-    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3"]) == 0
+    met: list[tuple[bool, int]] = []  # per group: meets at MPI barriers, and how often
+    real = latency.interleaved
+
+    def watched(cases: Any, blocks: int, iters: int, meet: Any) -> Any:
+        count = [0]
+
+        def counted() -> None:
+            count[0] += 1
+            meet()
+
+        result = real(cases, blocks, iters, counted)
+        met.append((meet == MPI.COMM_WORLD.Barrier, count[0] // len(cases)))
+        return result
+
+    monkeypatch.setattr(latency, "interleaved", watched)
+    flags = ["--in-step"] if in_step else []
+    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3", *flags]) == 0
+    assert met == [(in_step, 2)] * 3  # both sizes, the barriers: before each of 2 blocks
     printed = capsys.readouterr().out
     if comm.rank == 0:
+        assert ("the ranks meeting before each" in printed) == in_step
         lines = [line for line in printed.splitlines() if not line.startswith("#")]
         assert [line.split(" us ")[0].rsplit(None, 1)[0] for line in lines] == [
             f"{impl} {n} B" for n in (4, 64) for impl in

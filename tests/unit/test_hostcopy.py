@@ -250,3 +250,94 @@ class _Masks:
 def test_node_cores_is_the_union_of_the_ranks_masks(masks: list[list[int]], cores: int) -> None:
     from mpitrain.comm.shm import node_cores
     assert node_cores(_Masks(masks)) == cores  # type: ignore[arg-type]
+
+
+# -- the async engine's doorbell --------------------------------------------------------
+
+def _doorbells() -> list[Any]:
+    kinds = [pytest.param(hostcopy._Doorbell, id="python")]
+    if hostcopy.compiled():
+        kinds.append(pytest.param(lambda: hostcopy.doorbell(), id="extension"))
+    return kinds
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", _doorbells())
+def test_doorbell_rings_times_out_and_remembers_an_early_ring(make: Callable[[], Any]) -> None:
+    """A sleep without a ring times out (False, after the timeout); a ring before the
+    sleep makes it return at once (no lost wake-up); a ring from another thread wakes a
+    sleep without a limit."""
+    import threading
+    import time
+
+    bell = make()
+    began = time.monotonic()
+    assert bell.sleep(0.05, 0.0) is False
+    assert time.monotonic() - began >= 0.045
+    bell.ring(False)
+    began = time.monotonic()
+    assert bell.sleep(5.0, 1.0) is True  # no settling: that ring did not ask for it
+    assert time.monotonic() - began < 0.5
+    timer = threading.Timer(0.05, bell.ring, (False,))
+    timer.start()
+    assert bell.sleep(-1.0, 0.0) is True
+    timer.join()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", _doorbells())
+def test_doorbell_settles_and_sleeps_on_when_the_work_was_taken(
+        make: Callable[[], Any]) -> None:
+    """Woken by rings that all asked to settle, the sleeper waits settle_s; if all the
+    work rung for was taken by then, it sleeps on (here: until its timeout, False), also
+    through more such rings whose work is taken too; work rung for and not taken sends it
+    to look; a ring that did not ask to settle wakes it at once, after one that did."""
+    import threading
+    import time
+
+    bell = make()
+    bell.ring(True)
+    began = time.monotonic()
+    assert bell.sleep(5.0, 0.1) is True  # settled, nothing taken: go and look
+    assert 0.09 <= time.monotonic() - began < 2.0
+
+    bell.ring(True)
+    taker = threading.Timer(0.02, bell.taken)
+    taker.start()
+    began = time.monotonic()
+    assert bell.sleep(0.5, 0.1) is False  # taken while settling: slept on to the timeout
+    assert time.monotonic() - began >= 0.45
+    taker.join()
+
+    def submit_and_take() -> None:  # a caller that runs each submission at once
+        for _ in range(5):
+            bell.ring(True)
+            bell.taken()
+            time.sleep(0.03)
+
+    bell.ring(True)
+    bell.taken()
+    caller = threading.Thread(target=submit_and_take)
+    caller.start()
+    assert bell.sleep(0.6, 0.05) is False  # every submission taken: never came back
+    caller.join()
+
+    bell.ring(True)
+    again = threading.Timer(0.02, lambda: (bell.taken(), bell.ring(True)))
+    again.start()
+    assert bell.sleep(5.0, 0.1) is True  # work came after the take and stayed: look
+    again.join()
+
+    bell.ring(True)
+    bell.ring(False)
+    began = time.monotonic()
+    assert bell.sleep(5.0, 1.0) is True
+    assert time.monotonic() - began < 0.5  # one ring did not ask to settle
+    bell.ring(True)
+    bell.taken()
+    assert bell.sleep(0.3, 0.05) is False  # that urgency was used up by the last wake
+
+
+def test_doorbell_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_EXTENSION", None)
+    assert isinstance(hostcopy.doorbell(), hostcopy._Doorbell)
