@@ -10,7 +10,9 @@ every variant alike. It prints the median time per call over the blocks and its 
 to the native call (rank 0's clock). The ranks run on without meeting between blocks,
 so a block may start while another rank is still in the last one; ``--in-step`` makes
 them meet at an MPI barrier (not timed) before every block, as the ranks of a training
-loop reach its collectives together.
+loop reach its collectives together. ``--hvd`` adds ``hvd.allreduce(t, op=hvd.Sum)`` of
+:mod:`mpitrain.torch` on a CPU tensor of the same values (the Horovod adapter's blocking
+call: the engine's round trip and the adapter's work around it; needs torch).
 
 Every allreduce is checked: the inputs are the crafted values of the collective
 benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
@@ -51,6 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="calls per block")
     p.add_argument("--in-step", action="store_true",
                    help="the ranks meet at a barrier (not timed) before every block")
+    p.add_argument("--hvd", action="store_true",
+                   help="also time mpitrain.torch's hvd.allreduce (needs torch)")
     return p.parse_args(argv)
 
 
@@ -65,8 +69,9 @@ class Case:
 
 
 def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
-                    iters: int) -> dict[str, Case]:
-    """The four allreduce variants of one size, each checked against the exact sum."""
+                    iters: int, hvd: bool = False) -> dict[str, Case]:
+    """The four allreduce variants of one size (five with ``hvd``: mpitrain.torch's),
+    each checked against the exact sum."""
     count = max(nbytes // DTYPE.itemsize, 1)
     x = crafted(world.rank, 0, count, DTYPE, "sum")
     want = reduced(world.size, 0, count, DTYPE, "sum")
@@ -102,14 +107,41 @@ def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
             np.copyto(b, x)
 
     z = np.empty_like(x)
-    return {
+    cases = {
         f"mpitrain allreduce {size}": Case(plain, forget, lambda: wrong(results)),
         f"mpitrain allreduce_ {size}": Case(in_place, reset_buffers, lambda: wrong(buffers)),
         f"mpitrain allreduce_async {size}": Case(waited, forget_waited,
                                                  lambda: wrong(engine_results)),
-        f"MPI Allreduce {size}": Case(lambda i: world.Allreduce(x, z), lambda: poison(z),
-                                      lambda: wrong([z])),
     }
+    if hvd:
+        cases[f"mpitrain.torch allreduce {size}"] = _hvd_case(x, want, iters)
+    cases[f"MPI Allreduce {size}"] = Case(lambda i: world.Allreduce(x, z), lambda: poison(z),
+                                          lambda: wrong([z]))
+    return cases
+
+
+def _hvd_case(x: np.ndarray[Any, Any], want: np.ndarray[Any, Any], iters: int) -> Case:
+    """``hvd.allreduce(t, op=hvd.Sum)`` of a CPU tensor holding ``x``; its results are
+    compared with ``want`` (and ``t`` with ``x``: the call must leave it alone)."""
+    import torch
+
+    import mpitrain.torch as hvd
+
+    hvd.init()
+    t = torch.from_numpy(x.copy())
+    results: list[Any] = [None] * iters
+
+    def call(i: int) -> None:
+        results[i] = hvd.allreduce(t, op=hvd.Sum)
+
+    def forget() -> None:
+        results[:] = [None] * iters
+
+    def wrong() -> int:
+        return sum(int(np.count_nonzero(r.numpy() != want)) for r in results) + \
+            int(np.count_nonzero(t.numpy() != x))
+
+    return Case(call, forget, wrong)
 
 
 def barrier_cases(comm: mt.Communicator, world: MPI.Intracomm) -> dict[str, Case]:
@@ -157,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     comm = mt.init()
     world = MPI.COMM_WORLD
-    groups = [allreduce_cases(comm, world, int(s), args.iters) for s in args.sizes.split(",")]
+    groups = [allreduce_cases(comm, world, int(s), args.iters, args.hvd)
+              for s in args.sizes.split(",")]
     groups.append(barrier_cases(comm, world))
     if world.rank == 0:
         print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls"

@@ -398,6 +398,25 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         postscale_factor, process_set))
 
 
+class _Untracked:
+    """The ``ctx`` of an autograd function's ``forward`` run outside autograd (:func:`_apply`):
+    what the forwards record on it is never read."""
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        """Nothing to mark: no graph is recorded."""
+
+
+def _apply(function: Any, *args: Any) -> Any:
+    """``function.apply(*args)`` where autograd records the call (grad mode on and a tensor
+    argument that requires grad); elsewhere ``function``'s ``forward`` alone, which
+    computes the same outputs without autograd's per-call bookkeeping (a blocking
+    collective of a tensor that needs no gradient is most calls)."""
+    if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return function.apply(*args)
+    return function.forward(_Untracked(), *args)
+
+
 def _linear(op: ReduceOp, what: str) -> None:
     if op not in (Sum, Average):
         raise ArgumentError(f"the gradient of {what} is defined for op=Sum and op=Average, not "
@@ -448,7 +467,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     with _refusing(_comm(process_set), "allreduce", name):
         rop = _reduce_op(op, average)
         compressed, ctx = compression.compress(require_tensor(tensor))
-    summed = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor,
+    summed = _apply(_Allreduce, compressed, name, rop, prescale_factor, postscale_factor,
                               process_set)
     return compression.decompress(summed, ctx)
 
@@ -542,7 +561,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
         packed = [compression.compress(require_tensor(t)) for t in tensors]
     if not packed:
         return []
-    reduced = _GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor,
+    reduced = _apply(_GroupedAllreduce, name, rop, prescale_factor, postscale_factor,
                                       process_set, *[c for c, _ in packed])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
@@ -617,7 +636,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     Differentiable, as in Horovod: the gradient of this rank's rows is the average of
     every rank's gradient for them.
     """
-    return _Allgather.apply(tensor, name, process_set)
+    return _apply(_Allgather, tensor, name, process_set)
 
 
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
@@ -690,7 +709,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     ``process_set``, of which it must be a member. Differentiable, as in Horovod: the
     root's gradient is the average of every rank's, the others' zero.
     """
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return _apply(_Broadcast, tensor, root_rank, name, process_set)
 
 
 def _gradient_scale(op: ReduceOp, prescale: float, postscale: float, ranks: int) -> float:
@@ -770,7 +789,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     with _refusing(_comm(process_set), "reduce_scatter", name):
         compressed, ctx = compression.compress(require_tensor(tensor))
         rop = parse_op(op)
-    block = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor,
+    block = _apply(_Reducescatter, compressed, name, rop, prescale_factor, postscale_factor,
                                  process_set)
     return compression.decompress(block, ctx)
 
@@ -924,7 +943,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
         int32 tensor of the rows received from each rank (as Horovod does).
         Differentiable.
     """
-    output, received = _Alltoall.apply(tensor, splits, process_set)
+    output, received = _apply(_Alltoall, tensor, splits, process_set)
     return output if splits is None else (output, received)
 
 

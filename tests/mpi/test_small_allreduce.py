@@ -269,3 +269,46 @@ def test_the_latency_benchmark_fails_on_a_wrong_sum(comm: mt.Communicator,
         assert wrong[f"mpitrain {method} 64 B"] == "2", printed  # one per block
         assert {v for k, v in wrong.items() if k != f"mpitrain {method} 64 B"} == {"0"}
         assert "FAILED" in printed
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_latency_benchmark_times_and_checks_hvd_allreduce(
+        comm: mt.Communicator, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--hvd`` adds mpitrain.torch's ``hvd.allreduce`` per size, before the native
+    call, checked like the others: right sums give ``#wrong 0``; one element off by one
+    on the last rank, once per block, is counted and fails the run on every rank."""
+    pytest.importorskip("torch")
+    import mpitrain.torch as hvd
+    from benchmarks import latency
+
+    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3", "--hvd"]) == 0
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        names = [line.split(" us ")[0].rsplit(None, 1)[0] for line in printed.splitlines()
+                 if "#wrong" in line]
+        assert names[:5] == ["mpitrain allreduce 4 B", "mpitrain allreduce_ 4 B",
+                             "mpitrain allreduce_async 4 B", "mpitrain.torch allreduce 4 B",
+                             "MPI Allreduce 4 B"], printed
+        assert "mpitrain.torch allreduce 64 B" in names
+        assert all(line.endswith("#wrong 0") for line in printed.splitlines()
+                   if "#wrong" in line), printed
+
+    real = hvd.allreduce
+    calls = [0]
+
+    def off_by_one(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        y = real(tensor, *args, **kwargs)
+        calls[0] += 1
+        if comm.rank == comm.size - 1 and calls[0] % 3 == 0:
+            y[-1] += 1
+        return y
+
+    monkeypatch.setattr(hvd, "allreduce", off_by_one)
+    assert latency.main(["--sizes", "64", "--blocks", "2", "--iters", "3", "--hvd"]) == 1
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        wrong = {line.split(" us ")[0].rsplit(None, 1)[0]: line.rsplit(None, 1)[-1]
+                 for line in printed.splitlines() if "#wrong" in line}
+        assert wrong["mpitrain.torch allreduce 64 B"] == "2", printed  # one per block
+        assert "FAILED" in printed

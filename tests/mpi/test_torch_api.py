@@ -264,6 +264,47 @@ def test_reducescatter() -> None:
         hvd.reducescatter(torch.ones(n + r, 2), name="rs_mismatch")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_autograd_records_only_calls_that_need_a_gradient(monkeypatch: pytest.MonkeyPatch,
+                                                          ) -> None:
+    """The differentiable collectives go through their autograd function only where
+    autograd would record the call (grad mode on, an input that requires grad); the
+    others run its forward alone, with the same results."""
+    from mpitrain.torch import mpi_ops
+
+    recorded: list[str] = []
+    for name in ("_Allreduce", "_GroupedAllreduce", "_Allgather", "_Broadcast",
+                 "_Reducescatter", "_Alltoall"):
+        function = getattr(mpi_ops, name)
+        real = function.apply
+
+        def watched(*args: Any, real: Any = real, name: str = name) -> Any:
+            recorded.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(function, "apply", watched)
+
+    n = hvd.size()
+
+    def every_call(x: Any) -> list[Any]:
+        return [hvd.allreduce(x, op=hvd.Sum), *hvd.grouped_allreduce([x, x], op=hvd.Sum),
+                hvd.allgather(x), hvd.broadcast(x, 0), hvd.reducescatter(x, op=hvd.Sum),
+                hvd.alltoall(x)]
+
+    rows = torch.ones(n, 2, dtype=torch.float64)
+    plain = every_call(rows)
+    with torch.no_grad():
+        every_call(rows.clone().requires_grad_())
+    check(recorded == [], f"autograd recorded {recorded} for calls that need no gradient")
+    tracked = every_call(rows.clone().requires_grad_())
+    check(sorted(set(recorded)) == ["_Allgather", "_Allreduce", "_Alltoall", "_Broadcast",
+                                    "_GroupedAllreduce", "_Reducescatter"],
+          f"autograd recorded only {sorted(set(recorded))}")
+    check(all(t.requires_grad for t in tracked[:-1]) and not any(p.requires_grad for p in plain)
+          and all(torch.equal(p, t.detach()) for p, t in zip(plain, tracked)),
+          "the forward alone gives what the autograd function gives")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_autograd() -> None:
     n, r = hvd.size(), hvd.rank()
