@@ -787,13 +787,17 @@ static int doorbell_init(Doorbell *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     pthread_condattr_t attr;
-    if (pthread_condattr_init(&attr) != 0 ||
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
-        pthread_cond_init(&self->cv, &attr) != 0) {
+    if (pthread_condattr_init(&attr) != 0) {
         PyErr_SetString(PyExc_OSError, "Doorbell: cannot make a condition variable");
         return -1;
     }
+    int made = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
+               pthread_cond_init(&self->cv, &attr) == 0;
     pthread_condattr_destroy(&attr);
+    if (!made) {
+        PyErr_SetString(PyExc_OSError, "Doorbell: cannot make a condition variable");
+        return -1;
+    }
     if (pthread_mutex_init(&self->mu, NULL) != 0) {
         pthread_cond_destroy(&self->cv);
         PyErr_SetString(PyExc_OSError, "Doorbell: cannot make a mutex");

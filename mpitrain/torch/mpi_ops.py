@@ -468,7 +468,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         rop = _reduce_op(op, average)
         compressed, ctx = compression.compress(require_tensor(tensor))
     summed = _apply(_Allreduce, compressed, name, rop, prescale_factor, postscale_factor,
-                              process_set)
+                    process_set)
     return compression.decompress(summed, ctx)
 
 
@@ -562,7 +562,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     if not packed:
         return []
     reduced = _apply(_GroupedAllreduce, name, rop, prescale_factor, postscale_factor,
-                                      process_set, *[c for c, _ in packed])
+                     process_set, *[c for c, _ in packed])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
@@ -790,7 +790,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         compressed, ctx = compression.compress(require_tensor(tensor))
         rop = parse_op(op)
     block = _apply(_Reducescatter, compressed, name, rop, prescale_factor, postscale_factor,
-                                 process_set)
+                   process_set)
     return compression.decompress(block, ctx)
 
 
