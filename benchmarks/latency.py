@@ -12,7 +12,10 @@ so a block may start while another rank is still in the last one; ``--in-step`` 
 them meet at an MPI barrier (not timed) before every block, as the ranks of a training
 loop reach its collectives together. ``--hvd`` adds ``hvd.allreduce(t, op=hvd.Sum)`` of
 :mod:`mpitrain.torch` on a CPU tensor of the same values (the Horovod adapter's blocking
-call: the engine's round trip and the adapter's work around it; needs torch).
+call: the engine's round trip and the adapter's work around it; needs torch), and
+``--dist`` ``torch.distributed.all_reduce(t)`` through the ``"mpitrain"`` process-group
+backend (in place, one freshly filled tensor per call; the default group is made here
+unless the process has one).
 
 Every allreduce is checked: the inputs are the crafted values of the collective
 benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
@@ -55,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the ranks meet at a barrier (not timed) before every block")
     p.add_argument("--hvd", action="store_true",
                    help="also time mpitrain.torch's hvd.allreduce (needs torch)")
+    p.add_argument("--dist", action="store_true",
+                   help="also time torch.distributed.all_reduce over the mpitrain backend")
     return p.parse_args(argv)
 
 
@@ -69,9 +74,10 @@ class Case:
 
 
 def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
-                    iters: int, hvd: bool = False) -> dict[str, Case]:
-    """The four allreduce variants of one size (five with ``hvd``: mpitrain.torch's),
-    each checked against the exact sum."""
+                    iters: int, hvd: bool = False, dist: bool = False) -> dict[str, Case]:
+    """The four allreduce variants of one size (with ``hvd`` mpitrain.torch's, with
+    ``dist`` torch.distributed's over the mpitrain backend), each checked against the
+    exact sum."""
     count = max(nbytes // DTYPE.itemsize, 1)
     x = crafted(world.rank, 0, count, DTYPE, "sum")
     want = reduced(world.size, 0, count, DTYPE, "sum")
@@ -115,6 +121,8 @@ def allreduce_cases(comm: mt.Communicator, world: MPI.Intracomm, nbytes: int,
     }
     if hvd:
         cases[f"mpitrain.torch allreduce {size}"] = _hvd_case(x, want, iters)
+    if dist:
+        cases[f"torch.distributed all_reduce {size}"] = _dist_case(x, want, iters)
     cases[f"MPI Allreduce {size}"] = Case(lambda i: world.Allreduce(x, z), lambda: poison(z),
                                           lambda: wrong([z]))
     return cases
@@ -142,6 +150,32 @@ def _hvd_case(x: np.ndarray[Any, Any], want: np.ndarray[Any, Any], iters: int) -
             int(np.count_nonzero(t.numpy() != x))
 
     return Case(call, forget, wrong)
+
+
+def _dist_case(x: np.ndarray[Any, Any], want: np.ndarray[Any, Any], iters: int) -> Case:
+    """``torch.distributed.all_reduce(t)`` (in place, SUM) over the ``"mpitrain"``
+    backend, one tensor per call filled with ``x`` before the block; compared with
+    ``want``."""
+    import torch
+    import torch.distributed as torch_dist
+
+    import mpitrain.torch  # noqa: F401  (registers the backend)
+
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group("mpitrain")
+    tensors = [torch.from_numpy(x.copy()) for _ in range(iters)]
+
+    def call(i: int) -> None:
+        torch_dist.all_reduce(tensors[i])
+
+    def refill() -> None:
+        for t in tensors:
+            t.copy_(torch.from_numpy(x))
+
+    def wrong() -> int:
+        return sum(int(np.count_nonzero(t.numpy() != want)) for t in tensors)
+
+    return Case(call, refill, wrong)
 
 
 def barrier_cases(comm: mt.Communicator, world: MPI.Intracomm) -> dict[str, Case]:
@@ -189,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     comm = mt.init()
     world = MPI.COMM_WORLD
-    groups = [allreduce_cases(comm, world, int(s), args.iters, args.hvd)
+    groups = [allreduce_cases(comm, world, int(s), args.iters, args.hvd, args.dist)
               for s in args.sizes.split(",")]
     groups.append(barrier_cases(comm, world))
     if world.rank == 0:
@@ -205,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         total_wrong += sum(bad.values())
         if world.rank == 0:
             for name, us in medians.items():
-                print(f"{name:32s} {us:8.2f} us {us / native:6.2f}x  #wrong {bad[name]}")
+                print(f"{name:36s} {us:8.2f} us {us / native:6.2f}x  #wrong {bad[name]}")
     if world.rank == 0:
         print(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
     return 1 if total_wrong else 0

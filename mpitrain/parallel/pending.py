@@ -110,14 +110,6 @@ class HandleTable:
             self._ops[self._issued] = pending
             return self._issued
 
-    def merge(self, numbers: list[int]) -> int:
-        """One number for the operations ``numbers`` (which are given up): their handles
-        together, and the list of their outputs as its output."""
-        with self._lock:
-            ops = [self._ops.pop(n) for n in numbers]
-        return self.register(Pending([h for op in ops for h in op.handles],
-                                     lambda: [op.wait() for op in ops]))
-
     def clear(self) -> None:
         """Forget every operation and number (a new session starts from 1 again)."""
         with self._lock:

@@ -16,9 +16,9 @@ they make anyway, or one small allgather (:func:`agreed`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from types import TracebackType
+from typing import Any, Callable, TypeVar
 
 from ..communicator import Communicator
 from ..errors import MismatchError
@@ -26,18 +26,25 @@ from ..errors import MismatchError
 _T = TypeVar("_T")
 
 
-@contextlib.contextmanager
-def refusing(comm: Communicator, kind: str, *names: str | None) -> Iterator[None]:
+class refusing:
     """Prepare this rank's ``kind`` submissions named ``names`` (``None``: unnamed) on
     ``comm`` in the block; if it raises, announce every one of them as refused and
-    re-raise."""
-    try:
-        yield
-    except Exception as exc:
-        engine = comm.engine()
-        for name in names:
-            engine.refuse(kind, name, exc)
-        raise
+    re-raise. (A class, not a generator: every adapter call enters one.)"""
+
+    __slots__ = ("comm", "kind", "names")
+
+    def __init__(self, comm: Communicator, kind: str, *names: str | None) -> None:
+        self.comm, self.kind, self.names = comm, kind, names
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if isinstance(exc, Exception):
+            engine = self.comm.engine()
+            for name in self.names:
+                engine.refuse(self.kind, name, exc)
 
 
 @dataclass(frozen=True)

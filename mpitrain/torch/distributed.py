@@ -129,20 +129,34 @@ def launched_by_mpi() -> bool:
 
 
 # -- ops and tensors --------------------------------------------------------------------
+_REDUCTIONS: dict[Any, tuple[ReduceOp | None, float, Any]] = {}
+""":func:`reduction` of torch's ops without a parameter, by their ``RedOpType`` (every
+collective asks; filled below)."""
+
+
 def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
     """mpitrain's op for torch's ``op``, the factor of a ``PREMUL_SUM``, and MPI's op of
     a bitwise reduction (which mpitrain's op is then ``None``)."""
     kind = getattr(op, "op", op)
+    try:
+        known = _REDUCTIONS.get(kind)
+    except TypeError:  # unhashable: not one of torch's ops (refused below)
+        known = None
+    if known is not None:
+        return known
     name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1]
     if name in _BITWISE:
         return None, 1.0, _BITWISE[name]
     if name not in _OPS:
         raise UnsupportedError(f"the {BACKEND} backend has no reduction {name}")
-    factor = 1.0
-    if name == "PREMUL_SUM":
+    if name == "PREMUL_SUM":  # its factor is the op's own
         value = op.factor
-        factor = float(value.item() if isinstance(value, torch.Tensor) else value)
-    return _OPS[name], factor, None
+        return _OPS[name], float(value.item() if isinstance(value, torch.Tensor) else value), None
+    return _OPS[name], 1.0, None
+
+
+_REDUCTIONS.update({getattr(dist.ReduceOp, name): reduction(getattr(dist.ReduceOp, name))
+                    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")})
 
 
 def _uint8_for_bool(t: torch.Tensor, op: ReduceOp | None, what: str) -> torch.Tensor:

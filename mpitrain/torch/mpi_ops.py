@@ -15,7 +15,7 @@ Async calls return an integer handle, as in Horovod: :func:`poll` tests it,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -223,9 +223,10 @@ def _control(process_set: ProcessSet | None = None) -> MPI.Intracomm:
 _table = HandleTable(lambda: rank())
 
 
-def _register(handles: list[Any], finish: Callable[[], Any]) -> int:
-    """Keep an operation made of engine ``handles`` whose output ``finish`` makes."""
-    return _table.register(Pending(handles, finish))
+def _register(pending: Pending) -> int:
+    """Keep an operation in flight for :func:`synchronize`; its handle. (The blocking
+    calls wait on their :class:`Pending` itself: no handle.)"""
+    return _table.register(pending)
 
 
 def poll(handle: int) -> bool:
@@ -291,8 +292,7 @@ def _engine_scales(tensor: torch.Tensor) -> bool:
     return (tensor.is_floating_point() and tensor.dtype != torch.float16) or tensor.is_complex()
 
 
-@dataclass(frozen=True)
-class _Scaling:
+class _Scaling(NamedTuple):
     """Who scales an allreduce: the engine (``op``, ``prescale``, ``postscale``) or,
     with integer tensors, the adapter (``before``/``after`` the reduction)."""
 
@@ -324,16 +324,16 @@ def _scaling(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float,
     except (TypeError, ValueError):
         raise ArgumentError(f"rank {rank()}: prescale_factor and postscale_factor must be "
                             f"numbers, got {prescale!r} and {postscale!r}") from None
-    if all(_engine_scales(t) for t in tensors) or \
-            (op is not Average and prescale == 1.0 and postscale == 1.0):
+    if (op is not Average and prescale == 1.0 and postscale == 1.0) or \
+            all(_engine_scales(t) for t in tensors):
         return _Scaling(op, prescale, postscale)
     after = postscale / ranks if op is Average else postscale
     return _Scaling(Sum if op is Average else op, 1.0, 1.0, prescale, after)
 
 
-def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
+def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
                      op: Any, prescale: float, postscale: float,
-                     process_set: ProcessSet | None, average: bool | None = None) -> int:
+                     process_set: ProcessSet | None, average: bool | None = None) -> Pending:
     """Submit an allreduce of ``tensor`` (in place when ``output`` is given); ``op`` and
     ``average`` are parsed here, with the other arguments, under :func:`_refusing`."""
     comm = _comm(process_set)
@@ -352,12 +352,12 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor | None, name: st
             if work is not tensor:
                 tensor.copy_(work)
             return _scale_(tensor, how.after)
-        return _register([handle], finish)
+        return Pending([handle], finish)
     handle = comm.allreduce_async(buffer, how.op, name=name,
                                   prescale_factor=how.prescale, postscale_factor=how.postscale,
                                   stream=stream)
-    return _register([handle], lambda: _scale_(_on_device_of(tensor, from_buffer(handle.wait())),
-                                               how.after))
+    return Pending([handle], lambda: _scale_(_on_device_of(tensor, from_buffer(handle.wait())),
+                                             how.after))
 
 
 def _on_host_for_adasum(how: _Scaling, tensor: torch.Tensor) -> torch.Tensor:
@@ -376,8 +376,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for :func:`synchronize`."""
-    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
-                            process_set, average)
+    return _register(_allreduce_start(tensor, None, name, op, prescale_factor,
+                                      postscale_factor, process_set, average))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -385,17 +385,17 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle."""
-    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                            process_set, average)
+    return _register(_allreduce_start(tensor, tensor, name, op, prescale_factor,
+                                      postscale_factor, process_set, average))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> torch.Tensor:
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place and return it (not differentiable)."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return _allreduce_start(tensor, tensor, name, op, prescale_factor, postscale_factor,
+                            process_set, average).wait()
 
 
 class _Untracked:
@@ -406,15 +406,19 @@ class _Untracked:
         """Nothing to mark: no graph is recorded."""
 
 
+_UNTRACKED = _Untracked()
+
+
 def _apply(function: Any, *args: Any) -> Any:
     """``function.apply(*args)`` where autograd records the call (grad mode on and a tensor
     argument that requires grad); elsewhere ``function``'s ``forward`` alone, which
     computes the same outputs without autograd's per-call bookkeeping (a blocking
     collective of a tensor that needs no gradient is most calls)."""
-    if torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return function.apply(*args)
-    return function.forward(_Untracked(), *args)
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return function.apply(*args)
+    return function.forward(_UNTRACKED, *args)
 
 
 def _linear(op: ReduceOp, what: str) -> None:
@@ -430,15 +434,15 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(_allreduce_async(tensor, None, name, op, prescale, postscale,
-                                            process_set))
+        return _allreduce_start(tensor, None, name, op, prescale, postscale,
+                                process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "allreduce")
-        reduced = synchronize(_allreduce_async(grad.contiguous(), None, None, op, prescale,
-                                               postscale, process_set))
+        reduced = _allreduce_start(grad.contiguous(), None, None, op, prescale, postscale,
+                                   process_set).wait()
         return reduced, None, None, None, None, None
 
 
@@ -472,35 +476,34 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(summed, ctx)
 
 
-def _grouped_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
+def _grouped_start(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
                    op: Any, prescale: float, postscale: float,
-                   process_set: ProcessSet | None, average: bool | None = None) -> int:
+                   process_set: ProcessSet | None, average: bool | None = None) -> Pending:
     """Submit one fused allreduce of ``tensors`` (``op``/``average`` parsed here)."""
     comm = _comm(process_set)
     with _refusing(comm, "grouped_allreduce", name):
-        tensors = list(tensors)
-        how = _scaling(tensors, _reduce_op(op, average), prescale, postscale, comm.size)
-        work = [_on_host_for_adasum(how, how.source(t, inplace)) for t in tensors]
+        group = list(tensors)
+        how = _scaling(group, _reduce_op(op, average), prescale, postscale, comm.size)
+        work = [_on_host_for_adasum(how, how.source(t, inplace)) for t in group]
         buffers = [as_buffer(w) for w in work]
         stream = producer_stream(work[0]) if work else None
     if not inplace:
         handle = comm.grouped_allreduce_async(buffers, how.op, name=name,
                                               prescale_factor=how.prescale,
                                               postscale_factor=how.postscale, stream=stream)
-        return _register([handle], lambda: [_scale_(_on_device_of(t, from_buffer(r)),
-                                                     how.after)
-                                            for t, r in zip(tensors, handle.wait())])
+        return Pending([handle], lambda: [_scale_(_on_device_of(t, from_buffer(r)), how.after)
+                                          for t, r in zip(group, handle.wait())])
     handle = comm.grouped_allreduce_async_(buffers, how.op, name=name, prescale_factor=how.prescale,
                                            postscale_factor=how.postscale, stream=stream)
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
-        for t, w in zip(tensors, work):
+        for t, w in zip(group, work):
             if w is not t:
                 t.copy_(w)
             _scale_(t, how.after)
-        return tensors
-    return _register([handle], finish)
+        return group
+    return Pending([handle], finish)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -508,18 +511,18 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start one fused allreduce of every tensor into new tensors; returns a handle."""
-    return _grouped_async(tensors, False, name, op, prescale_factor, postscale_factor,
-                          process_set, average)
+    return _register(_grouped_start(tensors, False, name, op, prescale_factor,
+                                    postscale_factor, process_set, average))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
+                             process_set: ProcessSet = global_process_set) -> int:
     """Start one fused in-place allreduce of every tensor; returns a handle."""
-    return _grouped_async(tensors, True, name, op, prescale_factor, postscale_factor,
-                          process_set, average)
+    return _register(_grouped_start(tensors, True, name, op, prescale_factor,
+                                    postscale_factor, process_set, average))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -527,8 +530,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor in place, fused; returns the tensors."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    return _grouped_start(tensors, True, name, op, prescale_factor, postscale_factor,
+                          process_set, average).wait()
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -538,15 +541,15 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(synchronize(_grouped_async(tensors, False, name, op, prescale,
-                                                postscale, process_set)))
+        return tuple(_grouped_start(tensors, False, name, op, prescale, postscale,
+                                    process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "grouped_allreduce")
-        reduced = synchronize(_grouped_async([g.contiguous() for g in grads], False, None, op,
-                                             prescale, postscale, process_set))
+        reduced = _grouped_start([g.contiguous() for g in grads], False, None, op, prescale,
+                                 postscale, process_set).wait()
         return (None, None, None, None, None, *reduced)
 
 
@@ -593,18 +596,23 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     with _refusing(comm, "allgather", *sparse_part_names(name)):
         prepared = prepare_sparse_allreduce(tensor, op, comm.rank)
     handles, finish = start_sparse_allreduce(comm, prepared, name)
-    return SparseHandle(_register(handles, finish))
+    return SparseHandle(_register(Pending(handles, finish)))
 
 
 # -- allgather, broadcast, reducescatter ----------------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather (concatenation along dim 0); returns a handle."""
+    return _register(_allgather_start(tensor, name, process_set))
+
+
+def _allgather_start(tensor: torch.Tensor, name: str | None,
+                     process_set: ProcessSet | None) -> Pending:
     comm = _comm(process_set)
     with _refusing(comm, "allgather", name):
         buffer = as_buffer(tensor)
     handle = comm.allgather_async(buffer, name=name, stream=producer_stream(tensor))
-    return _register([handle], lambda: from_buffer(handle.wait()))
+    return Pending([handle], lambda: from_buffer(handle.wait()))
 
 
 class _Allgather(torch.autograd.Function):
@@ -614,14 +622,14 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 process_set: ProcessSet) -> torch.Tensor:
-        handle = allgather_async(tensor, name, process_set)  # checks it on every rank
+        pending = _allgather_start(tensor, name, process_set)  # checks it on every rank
         ctx.shape, ctx.process_set = tensor.shape, process_set
-        return synchronize(handle)
+        return pending.wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        averaged = synchronize(_allreduce_async(grad.contiguous(), None, None, Average, 1.0,
-                                                1.0, ctx.process_set))
+        averaged = _allreduce_start(grad.contiguous(), None, None, Average, 1.0, 1.0,
+                                    ctx.process_set).wait()
         mine = ctx.shape[0] if len(ctx.shape) else 1
         comm = _comm(ctx.process_set)
         offset = sum(comm.allgather_object(mine)[:comm.rank])
@@ -639,8 +647,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return _apply(_Allgather, tensor, name, process_set)
 
 
-def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
-                     inplace: bool, process_set: ProcessSet | None) -> int:
+def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
+                     inplace: bool, process_set: ProcessSet | None) -> Pending:
     comm = _comm(process_set)
     with _refusing(comm, "broadcast", name):
         require_tensor(tensor)
@@ -650,7 +658,7 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
     stream = producer_stream(work)
     if not inplace:
         handle = comm.broadcast_async(buffer, root, name=name, stream=stream)
-        return _register([handle], lambda: from_buffer(handle.wait()))
+        return Pending([handle], lambda: from_buffer(handle.wait()))
     handle = comm.broadcast_async_(buffer, root, name=name, stream=stream)
 
     def finish() -> torch.Tensor:
@@ -658,7 +666,7 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
         if work is not tensor:
             tensor.copy_(work)
         return tensor
-    return _register([handle], finish)
+    return Pending([handle], finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -669,19 +677,19 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     ``process_set``, of which it must be a member. Differentiable, as in Horovod: the
     root's gradient is the average of every rank's, the others' zero.
     """
-    return _broadcast_async(tensor, root_rank, name, False, process_set)
+    return _register(_broadcast_start(tensor, root_rank, name, False, process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast of the root's ``tensor``; returns a handle."""
-    return _broadcast_async(tensor, root_rank, name, True, process_set)
+    return _register(_broadcast_start(tensor, root_rank, name, True, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with the root's and return it (not differentiable)."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _broadcast_start(tensor, root_rank, name, True, process_set).wait()
 
 
 class _Broadcast(torch.autograd.Function):
@@ -691,12 +699,12 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
                 process_set: ProcessSet) -> Any:
         ctx.root, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return _broadcast_start(tensor, root_rank, name, False, process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        averaged = synchronize(_allreduce_async(grad.contiguous(), None, None, Average, 1.0,
-                                                1.0, ctx.process_set))
+        averaged = _allreduce_start(grad.contiguous(), None, None, Average, 1.0, 1.0,
+                                    ctx.process_set).wait()
         mine = averaged if rank() == ctx.root else torch.zeros_like(averaged)
         return mine, None, None, None
 
@@ -727,10 +735,15 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     Integer tensors are scaled (factors, Average's ``1/size``) in float64 and truncated
     toward zero, as Horovod does.
     """
+    return _register(_reducescatter_start(tensor, name, op, prescale_factor,
+                                          postscale_factor, process_set))
+
+
+def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: Any, prescale: float,
+                         postscale: float, process_set: ProcessSet | None) -> Pending:
     comm = _comm(process_set)
     with _refusing(comm, "reduce_scatter", name):
-        source, how = _reducescatter_source(comm, tensor, op, prescale_factor,
-                                            postscale_factor)
+        source, how = _reducescatter_source(comm, tensor, op, prescale, postscale)
     return _submit_reducescatter(comm, source, how, name)
 
 
@@ -745,13 +758,13 @@ def _reducescatter_source(comm: Communicator, tensor: torch.Tensor, op: Any,
 
 
 def _submit_reducescatter(comm: Communicator, source: tuple[Any, Any], how: _Scaling,
-                          name: str | None) -> int:
-    """Submit the reduce-scatter of a prepared ``(buffer, stream)``; returns its handle."""
+                          name: str | None) -> Pending:
+    """Submit the reduce-scatter of a prepared ``(buffer, stream)``."""
     buffer, stream = source
     handle = comm.reduce_scatter_async(buffer, how.op, name=name,
                                        prescale_factor=how.prescale, postscale_factor=how.postscale,
                                        stream=stream)
-    return _register([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
+    return Pending([handle], lambda: _scale_(from_buffer(handle.wait()), how.after))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -762,14 +775,14 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale,
-                                               process_set))
+        return _reducescatter_start(tensor, name, op, prescale, postscale,
+                                    process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "reducescatter")
-        gathered = synchronize(allgather_async(grad.contiguous(), None, process_set))
+        gathered = _allgather_start(grad.contiguous(), None, process_set).wait()
         scale = _gradient_scale(op, prescale, postscale, _comm(process_set).size)
         return gathered * scale, None, None, None, None, None
 
@@ -800,11 +813,6 @@ def _member(name: str | None, index: int) -> str | None:
     return None if name is None else f"{name}.{index}"
 
 
-def _group_handle(numbers: list[int]) -> int:
-    """One handle over the handles ``numbers``; its output is the list of theirs."""
-    return _table.merge(numbers)
-
-
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of every tensor; the handle's output is the list of results.
@@ -819,7 +827,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         buffers = [as_buffer(t) for t in tensors]
     handles = [comm.allgather_async(b, name=n, stream=producer_stream(t))
                for b, n, t in zip(buffers, names, tensors)]
-    return _register(handles, lambda: [from_buffer(h.wait()) for h in handles])
+    return _register(Pending(handles, lambda: [from_buffer(h.wait()) for h in handles]))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -842,8 +850,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     with _refusing(comm, "reduce_scatter", *names):  # all members or none
         sources = [_reducescatter_source(comm, t, op, prescale_factor, postscale_factor)
                    for t in tensors]
-    return _group_handle([_submit_reducescatter(comm, source, how, n)
-                          for (source, how), n in zip(sources, names)])
+    parts = [_submit_reducescatter(comm, source, how, n)
+             for (source, how), n in zip(sources, names)]
+    return _register(Pending([h for p in parts for h in p.handles],
+                             lambda: [p.wait() for p in parts]))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -956,7 +966,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     the handle is done at once; not differentiable.
     """
     done = _alltoall(tensor.detach(), splits, process_set)
-    return _register([], lambda: done)
+    return _register(Pending([], lambda: done))
 
 
 # -- synchronisation and objects ------------------------------------------------------

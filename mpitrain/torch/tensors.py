@@ -54,7 +54,7 @@ class CudaTensors:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """True for CUDA tensors."""
-        return tensor.device.type == "cuda"
+        return tensor.is_cuda
 
     def to_buffer(self, tensor: torch.Tensor) -> Any:
         """The tensor itself, once a GPU backend is known to take it."""
@@ -115,7 +115,7 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     device = device_of(t)
     if device is not None:
         return device.to_buffer(t)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise DtypeError(f"{t.device.type} tensors need an mpitrain GPU backend (cupy), "
                          "which is not available here; install cupy or move the tensor to "
                          "the CPU with .cpu()")

@@ -271,44 +271,76 @@ def test_the_latency_benchmark_fails_on_a_wrong_sum(comm: mt.Communicator,
         assert "FAILED" in printed
 
 
-@pytest.mark.mpi(min_size=1)
-def test_the_latency_benchmark_times_and_checks_hvd_allreduce(
-        comm: mt.Communicator, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--hvd`` adds mpitrain.torch's ``hvd.allreduce`` per size, before the native
-    call, checked like the others: right sums give ``#wrong 0``; one element off by one
-    on the last rank, once per block, is counted and fails the run on every rank."""
-    pytest.importorskip("torch")
+def _hvd_allreduce() -> tuple[Any, str, Callable[[Any, Any], None]]:
+    """What ``--hvd`` times: the module and name of the call, and how to spoil a result
+    of it (the returned tensor)."""
     import mpitrain.torch as hvd
+
+    def spoil(result: Any, tensor: Any) -> None:
+        result[-1] += 1
+    return hvd, "allreduce", spoil
+
+
+def _dist_all_reduce() -> tuple[Any, str, Callable[[Any, Any], None]]:
+    """What ``--dist`` times: torch.distributed's in-place all_reduce."""
+    import torch.distributed as dist
+
+    def spoil(result: Any, tensor: Any) -> None:
+        tensor[-1] += 1
+    return dist, "all_reduce", spoil
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(("flag", "row", "timed"), [
+    ("--hvd", "mpitrain.torch allreduce", _hvd_allreduce),
+    ("--dist", "torch.distributed all_reduce", _dist_all_reduce)], ids=["hvd", "dist"])
+def test_the_latency_benchmark_times_and_checks_the_torch_adapters(
+        comm: mt.Communicator, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, flag: str, row: str,
+        timed: Callable[[], tuple[Any, str, Callable[[Any, Any], None]]]) -> None:
+    """``--hvd`` adds mpitrain.torch's ``hvd.allreduce``, ``--dist``
+    ``torch.distributed.all_reduce`` over the mpitrain backend, per size, before the
+    native call, checked like the others: right sums give ``#wrong 0``; one element off
+    by one on the last rank, once per block, is counted and fails the run on every
+    rank."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
     from benchmarks import latency
 
-    assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3", "--hvd"]) == 0
-    printed = capsys.readouterr().out
-    if comm.rank == 0:
-        names = [line.split(" us ")[0].rsplit(None, 1)[0] for line in printed.splitlines()
-                 if "#wrong" in line]
-        assert names[:5] == ["mpitrain allreduce 4 B", "mpitrain allreduce_ 4 B",
-                             "mpitrain allreduce_async 4 B", "mpitrain.torch allreduce 4 B",
-                             "MPI Allreduce 4 B"], printed
-        assert "mpitrain.torch allreduce 64 B" in names
-        assert all(line.endswith("#wrong 0") for line in printed.splitlines()
-                   if "#wrong" in line), printed
+    module, name, spoil = timed()
+    made_here = not dist.is_initialized()  # --dist makes the default group if none
+    try:
+        assert latency.main(["--sizes", "4,64", "--blocks", "2", "--iters", "3", flag]) == 0
+        printed = capsys.readouterr().out
+        if comm.rank == 0:
+            names = [line.split(" us ")[0].rsplit(None, 1)[0] for line in printed.splitlines()
+                     if "#wrong" in line]
+            assert names[:5] == ["mpitrain allreduce 4 B", "mpitrain allreduce_ 4 B",
+                                 "mpitrain allreduce_async 4 B", f"{row} 4 B",
+                                 "MPI Allreduce 4 B"], printed
+            assert f"{row} 64 B" in names
+            assert all(line.endswith("#wrong 0") for line in printed.splitlines()
+                       if "#wrong" in line), printed
 
-    real = hvd.allreduce
-    calls = [0]
+        real = getattr(module, name)
+        calls = [0]
 
-    def off_by_one(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        y = real(tensor, *args, **kwargs)
-        calls[0] += 1
-        if comm.rank == comm.size - 1 and calls[0] % 3 == 0:
-            y[-1] += 1
-        return y
+        def off_by_one(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            result = real(tensor, *args, **kwargs)
+            calls[0] += 1
+            if comm.rank == comm.size - 1 and calls[0] % 3 == 0:
+                spoil(result, tensor)
+            return result
 
-    monkeypatch.setattr(hvd, "allreduce", off_by_one)
-    assert latency.main(["--sizes", "64", "--blocks", "2", "--iters", "3", "--hvd"]) == 1
-    printed = capsys.readouterr().out
-    if comm.rank == 0:
-        wrong = {line.split(" us ")[0].rsplit(None, 1)[0]: line.rsplit(None, 1)[-1]
-                 for line in printed.splitlines() if "#wrong" in line}
-        assert wrong["mpitrain.torch allreduce 64 B"] == "2", printed  # one per block
-        assert "FAILED" in printed
+        monkeypatch.setattr(module, name, off_by_one)
+        assert latency.main(["--sizes", "64", "--blocks", "2", "--iters", "3", flag]) == 1
+        printed = capsys.readouterr().out
+        if comm.rank == 0:
+            wrong = {line.split(" us ")[0].rsplit(None, 1)[0]: line.rsplit(None, 1)[-1]
+                     for line in printed.splitlines() if "#wrong" in line}
+            assert wrong[f"{row} 64 B"] == "2", printed  # one per block
+            assert "FAILED" in printed
+    finally:
+        if made_here and dist.is_initialized():
+            dist.destroy_process_group()
