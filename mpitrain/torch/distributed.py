@@ -129,6 +129,7 @@ def launched_by_mpi() -> bool:
 
 
 # -- ops and tensors --------------------------------------------------------------------
+_RED_OP_TYPE = type(dist.ReduceOp.SUM)
 _REDUCTIONS: dict[Any, tuple[ReduceOp | None, float, Any]] = {}
 """:func:`reduction` of torch's ops without a parameter, by their ``RedOpType`` (every
 collective asks; filled below)."""
@@ -138,10 +139,7 @@ def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
     """mpitrain's op for torch's ``op``, the factor of a ``PREMUL_SUM``, and MPI's op of
     a bitwise reduction (which mpitrain's op is then ``None``)."""
     kind = getattr(op, "op", op)
-    try:
-        known = _REDUCTIONS.get(kind)
-    except TypeError:  # unhashable: not one of torch's ops (refused below)
-        known = None
+    known = _REDUCTIONS.get(kind) if type(kind) is _RED_OP_TYPE else None
     if known is not None:
         return known
     name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1]
