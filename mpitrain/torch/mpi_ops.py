@@ -400,7 +400,13 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 class _Untracked:
     """The ``ctx`` of an autograd function's ``forward`` run outside autograd (:func:`_apply`):
-    what the forwards record on it is never read."""
+    what the forwards record on it is never read, so it keeps nothing (one object serves
+    every call, on every thread)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Forget it: no backward will read it."""
 
     def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
         """Nothing to mark: no graph is recorded."""

@@ -296,6 +296,9 @@ def test_autograd_records_only_calls_that_need_a_gradient(monkeypatch: pytest.Mo
     with torch.no_grad():
         every_call(rows.clone().requires_grad_())
     check(recorded == [], f"autograd recorded {recorded} for calls that need no gradient")
+    kept = [k for k in ("args", "shape", "process_set", "root", "received")
+            if hasattr(mpi_ops._UNTRACKED, k)]
+    check(kept == [], f"the forwards' shared ctx kept {kept} of their last calls")
     tracked = every_call(rows.clone().requires_grad_())
     check(sorted(set(recorded)) == ["_Allgather", "_Allreduce", "_Alltoall", "_Broadcast",
                                     "_GroupedAllreduce", "_Reducescatter"],
