@@ -3,7 +3,7 @@
 A collective's arguments are turned into what the engine takes (op, scaling, zero-copy
 views) on each rank alone, so a bad argument on one rank raises there before that
 rank's submission exists, and the other ranks would wait for it (forever, by default).
-An adapter therefore prepares its submissions inside :func:`refusing`, which announces
+An adapter therefore prepares its submissions inside :class:`refusing`, which announces
 an error raised there to the other ranks through the engine, in place of the
 submissions it prevented (same kind, same name; unnamed ones take the next number of
 their kind, so later unnamed operations stay matched): the other ranks' submissions

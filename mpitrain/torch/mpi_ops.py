@@ -614,6 +614,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 def _allgather_start(tensor: torch.Tensor, name: str | None,
                      process_set: ProcessSet | None) -> Pending:
+    """Submit an allgather of ``tensor``; its output is the gathered tensor."""
     comm = _comm(process_set)
     with _refusing(comm, "allgather", name):
         buffer = as_buffer(tensor)
@@ -655,6 +656,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
                      inplace: bool, process_set: ProcessSet | None) -> Pending:
+    """Submit a broadcast of the root's ``tensor`` (into ``tensor`` itself if ``inplace``,
+    else into a new one, the output)."""
     comm = _comm(process_set)
     with _refusing(comm, "broadcast", name):
         require_tensor(tensor)
@@ -747,6 +750,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
 
 def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: Any, prescale: float,
                          postscale: float, process_set: ProcessSet | None) -> Pending:
+    """Submit a reduce-scatter of ``tensor``; its output is this rank's block."""
     comm = _comm(process_set)
     with _refusing(comm, "reduce_scatter", name):
         source, how = _reducescatter_source(comm, tensor, op, prescale, postscale)
