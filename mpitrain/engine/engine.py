@@ -853,7 +853,7 @@ class Engine:
         self._finished = True
         with self._cond:
             self._closed = f"failed: {exc!r}"
-            self._bell.ring(False)  # the progress thread may be asleep: let it end
+            self._wake()  # the progress thread may be asleep: let it end
             doomed = list(self._pending.values()) + self._incoming + [
                 r for r in self._running if not r.done and r.name not in self._pending]
             if self._join is not None:
