@@ -135,10 +135,17 @@ class Handle:
             fn(self)
 
     def test(self) -> bool:
-        """True once the operation is done (its result or error is ready); never blocks."""
+        """True once the operation is done (its result or error is ready); never blocks.
+
+        While it is not done, this call lets go of the GIL for a moment: the engine's
+        progress thread needs the GIL to run, and a loop that does nothing but poll
+        (``while not h.test(): pass``) held it from that thread for whole switch
+        intervals (5 ms each), so each small operation it waited on took milliseconds.
+        """
         if self._done:
             self._observed()
             return True
+        time.sleep(0)
         return False
 
     def _observed(self) -> None:

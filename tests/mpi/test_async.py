@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -352,6 +353,31 @@ def test_engine_progresses_after_callers_ran_cycles(comm: mt.Communicator) -> No
         assert_all_ranks(comm, h.test(), f"step {step}: the un-waited operation never ran")
         assert_equal_all_ranks(comm, h.wait(), np.full(2, step * comm.size, np.int32),
                                f"step {step}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_loop_polling_test_lets_the_engine_run(comm: mt.Communicator) -> None:
+    """``while not h.test(): pass`` finishes: test() lets go of the GIL, which the
+    progress thread needs. With a switch interval of 60 s, a poll that kept the GIL
+    would leave the progress thread nothing for a minute, past the 20 s deadline."""
+    interval = sys.getswitchinterval()
+    late = []
+    try:
+        sys.setswitchinterval(60.0)
+        for step in range(5):
+            h = comm.allreduce_async(np.full(3, step, np.int64))
+            deadline = time.perf_counter() + 20
+            while not h.test():
+                if time.perf_counter() > deadline:
+                    late.append(step)
+                    break
+            if late:
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert_all_ranks(comm, not late, f"the operation of step {late} was still pending "
+                     "after 20 s of polling test()")
+    assert_equal_all_ranks(comm, h.wait(), np.full(3, 4 * comm.size, np.int64), "the last")
 
 
 @pytest.mark.mpi(min_size=2)
