@@ -93,9 +93,9 @@ def torch_device(request: pytest.FixtureRequest, comm: Any) -> Iterator[str]:
         yield "fake-cuda"
 
 
-HALF_SWEEPS_AT = (4, 5)
-"""The two rank counts at which each dtype sweep runs half its cases, the first the
-even-numbered ones, the second the others (:func:`pytest_collection_modifyitems`)."""
+HALF_CASES_AT = (4, 5)
+"""The two rank counts at which each parametrized test runs half its cases, the first
+the even-numbered ones, the second the others (:func:`pytest_collection_modifyitems`)."""
 
 
 def world_size() -> int:
@@ -103,25 +103,37 @@ def world_size() -> int:
     return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
 
 
+def halved(item: pytest.Item) -> bool:
+    """Whether ``item`` is a case that :data:`HALF_CASES_AT` splits: a case of a
+    parametrized test, unless the test runs on power-of-two rank counts only (marked
+    ``power_of_two``: at 5 ranks it skips, so 4 runs it whole) or is one of those
+    marked ``many_ranks`` (whose point is how the rank count shapes the algorithm) and
+    not a sweep over ``dtype``."""
+    params = getattr(item, "callspec", None)
+    if params is None or not params.params or item.get_closest_marker("power_of_two"):
+        return False
+    return "dtype" in params.params or item.get_closest_marker("many_ranks") is None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """At 4 and 5 ranks, a test parametrized over ``dtype`` (a sweep: dtype x op x
-    algorithm x size) runs every other case: at 4 ranks its even-numbered cases, at 5
-    its odd-numbered ones, in collection order. Every case of a sweep thus runs at 1, 2
-    and 3 ranks and at one of 4 and 5, where ranks share the cores most; tests without a
-    ``dtype`` parameter run whole at every rank count."""
+    """At 4 and 5 ranks, where ranks share the cores most, a parametrized test (a sweep:
+    dtype x op x algorithm x size; or variants: shared memory on and off, CPU and fake
+    GPU tensors) runs every other case: at 4 ranks its even-numbered cases, at 5 its
+    odd-numbered ones, in collection order (:func:`halved` names the exceptions). Every
+    case thus runs at 1, 2 and 3 ranks and at one of 4 and 5; tests without parameters
+    run at every rank count."""
     size = world_size()
-    if size not in HALF_SWEEPS_AT:
+    if size not in HALF_CASES_AT:
         return
-    keep = HALF_SWEEPS_AT.index(size)  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
+    keep = HALF_CASES_AT.index(size)  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
     seen: dict[str, int] = {}
     kept, dropped = [], []
     for item in items:
-        params = getattr(item, "callspec", None)
-        if params is None or "dtype" not in params.params:
+        if not halved(item):
             kept.append(item)
             continue
-        sweep = item.nodeid.split("[")[0]  # the test function
-        index = seen[sweep] = seen.get(sweep, -1) + 1
+        test = item.nodeid.split("[")[0]  # the test function
+        index = seen[test] = seen.get(test, -1) + 1
         (kept if index % 2 == keep else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -16,7 +16,7 @@ import mpitrain as mt
 from mpitrain.dtypes import FLOAT_DTYPES
 
 FLOATS = [str(d) for d in FLOAT_DTYPES]
-pytestmark = pytest.mark.many_ranks
+pytestmark = [pytest.mark.many_ranks, pytest.mark.power_of_two]
 
 TOLERANCE = {"float64": 1e-12, "float32": 4e-6, "float16": 8e-3, "bfloat16": 6e-2}
 """Largest error allowed, relative to the result's largest magnitude (a few units in

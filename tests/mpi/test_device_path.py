@@ -240,7 +240,7 @@ def test_a_rank_late_to_a_staged_ring_is_a_stall(comm: mt.Communicator,
     collective are seen by the stall inspector as on the host path: a warning naming
     the late rank and the collective, then StallError at the timeout."""
     env.setenv("MPITRAIN_STALL_WARNING_S", "0.5")
-    env.setenv("MPITRAIN_STALL_TIMEOUT_S", "2")
+    env.setenv("MPITRAIN_STALL_TIMEOUT_S", "1.5")
     c = mt.Communicator(comm.mpi_comm, check=False,  # no validation: straight into the ring
                         settings=mt.Settings.from_environment(cuda_aware=False,
                                                               staging_slots=2,
@@ -251,7 +251,7 @@ def test_a_rank_late_to_a_staged_ring_is_a_stall(comm: mt.Communicator,
         with fake_backend(seed(c, "late")), caplog.at_level("WARNING", logger="mpitrain"):
             x = to_device(crafted(c.rank, 5000, "float32", mt.Sum))
             if c.rank == late:
-                time.sleep(4)  # the others stall, and are gone when this rank comes
+                time.sleep(2.5)  # the others stall, and are gone when this rank comes
             try:
                 c.allreduce(x, algorithm="ring")
                 error = "no StallError"

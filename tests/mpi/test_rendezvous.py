@@ -128,6 +128,7 @@ def test_hierarchical_layouts(rendezvous: pytest.MonkeyPatch, comm: mt.Communica
 
 
 @pytest.mark.many_ranks
+@pytest.mark.power_of_two
 @pytest.mark.mpi(min_size=1)
 def test_adasum(rendezvous: pytest.MonkeyPatch, comm: mt.Communicator) -> None:
     """Adasum's exchanges (power-of-two rank counts) against the pairwise formula."""

@@ -17,6 +17,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.f
           "bfloat16": torch.bfloat16}
 TOLERANCE = {"float64": 1e-12, "float32": 4e-6, "float16": 8e-3, "bfloat16": 6e-2}
 
+pytestmark = pytest.mark.power_of_two
+
 
 @pytest.fixture(autouse=True)
 def _init(comm: Any, torch_device: str) -> None:
