@@ -3,8 +3,8 @@ and one without (``CC`` names no compiler), each installed into a fresh virtual
 environment and used from outside the checkout.
 
 Slow (each build compiles the engine core with mypyc, each environment installs numpy,
-mpi4py and Open MPI): two builds and two environments for the whole module. Skipped
-only when pip cannot download, which the isolated build needs.
+mpi4py and Open MPI): two builds and two environments for the whole module, made side
+by side. Skipped only when pip cannot download, which the isolated build needs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,15 +103,26 @@ def build_and_install(where: Path, **env: str) -> Build:
 
 
 @pytest.fixture(scope="module")
-def compiled(downloads: None, tmp_path_factory: pytest.TempPathFactory) -> Build:
-    """The default build, on a machine with a C compiler."""
-    return build_and_install(tmp_path_factory.mktemp("compiled"))
+def builds(downloads: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
+    """Both builds, made side by side: the compiled one spends most of its time
+    compiling, the other downloading and installing."""
+    compiled, pure = tmp_path_factory.mktemp("compiled"), tmp_path_factory.mktemp("pure")
+    with ThreadPoolExecutor(2) as pool:
+        made = {"compiled": pool.submit(build_and_install, compiled),
+                "pure": pool.submit(build_and_install, pure, CC="/nonexistent-cc")}
+        return {name: future.result() for name, future in made.items()}
 
 
 @pytest.fixture(scope="module")
-def pure(downloads: None, tmp_path_factory: pytest.TempPathFactory) -> Build:
+def compiled(builds: dict[str, Build]) -> Build:
+    """The default build, on a machine with a C compiler."""
+    return builds["compiled"]
+
+
+@pytest.fixture(scope="module")
+def pure(builds: dict[str, Build]) -> Build:
     """The default build where the C compiler does not exist."""
-    return build_and_install(tmp_path_factory.mktemp("pure"), CC="/nonexistent-cc")
+    return builds["pure"]
 
 
 @pytest.fixture(params=["compiled", "pure"])

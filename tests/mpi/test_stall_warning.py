@@ -20,13 +20,13 @@ from mpitrain.config import Settings
 def test_one_warning_per_stall(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="mpitrain")
     comm = mt.Communicator(MPI.COMM_WORLD, settings=Settings.from_environment(
-        stall_warning_s=0.5, stall_timeout_s=0.0))
+        stall_warning_s=0.25, stall_timeout_s=0.0))
     try:
         comm.barrier()
         if comm.rank == comm.size - 1:
-            time.sleep(3.0)  # the others wait in the allreduce for six warning periods
+            time.sleep(1.5)  # the others wait in the allreduce for six warning periods
         comm.allreduce(np.ones(8, np.float32))
-        time.sleep(1.0)  # a second warning would come within the daemon's next survey
+        time.sleep(0.5)  # a second warning would come within the daemon's next survey
         warned = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
         late = comm.rank == comm.size - 1
         assert_all_ranks(comm, len(warned) == (0 if late else 1),
