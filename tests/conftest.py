@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -93,9 +94,9 @@ def torch_device(request: pytest.FixtureRequest, comm: Any) -> Iterator[str]:
         yield "fake-cuda"
 
 
-HALF_CASES_AT = (4, 5)
-"""The two rank counts at which each parametrized test runs half its cases, the first
-the even-numbered ones, the second the others (:func:`pytest_collection_modifyitems`)."""
+SHARED_AT = (3, 4, 5)
+"""The rank counts among which each parametrized test shares out its cases: each case
+runs at 1 and 2 ranks and at one of these (:func:`pytest_collection_modifyitems`)."""
 
 
 def world_size() -> int:
@@ -103,38 +104,40 @@ def world_size() -> int:
     return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
 
 
-def halved(item: pytest.Item) -> bool:
-    """Whether ``item`` is a case that :data:`HALF_CASES_AT` splits: a case of a
+def shared_out(item: pytest.Item) -> bool:
+    """Whether ``item`` is a case that :data:`SHARED_AT` shares out: a case of a
     parametrized test, unless the test runs on power-of-two rank counts only (marked
-    ``power_of_two``: at 5 ranks it skips, so 4 runs it whole) or is one of those
-    marked ``many_ranks`` (whose point is how the rank count shapes the algorithm) and
-    not a sweep over ``dtype``."""
+    ``power_of_two``: 4 runs it whole, 3 and 5 skip it) or is one of those marked
+    ``many_ranks`` (whose point is how the rank count shapes the algorithm) and not a
+    sweep over ``dtype``."""
     params = getattr(item, "callspec", None)
     if params is None or not params.params or item.get_closest_marker("power_of_two"):
         return False
     return "dtype" in params.params or item.get_closest_marker("many_ranks") is None
 
 
+def rank_count_of(item: pytest.Item) -> int:
+    """Which of :data:`SHARED_AT` runs the case ``item``: a hash of its id (the same
+    in every process), so that the cases of a sweep fall to the rank counts as at
+    random. Numbering the cases in collection order instead gave each value of the last
+    parameter one rank count (of a test over shared memory on and off, the first ran
+    only at 4 ranks, the second only at 5)."""
+    return SHARED_AT[zlib.crc32(item.nodeid.encode()) % len(SHARED_AT)]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """At 4 and 5 ranks, where ranks share the cores most, a parametrized test (a sweep:
-    dtype x op x algorithm x size; or variants: shared memory on and off, CPU and fake
-    GPU tensors) runs every other case: at 4 ranks its even-numbered cases, at 5 its
-    odd-numbered ones, in collection order (:func:`halved` names the exceptions). Every
-    case thus runs at 1, 2 and 3 ranks and at one of 4 and 5; tests without parameters
-    run at every rank count."""
+    """At 3, 4 and 5 ranks, where ranks share the two cores of a small machine, a
+    parametrized test (a sweep: dtype x op x algorithm x size; or variants: shared
+    memory on and off, CPU and fake GPU tensors) runs a third of its cases
+    (:func:`rank_count_of`; :func:`shared_out` names the exceptions). Every case runs
+    at 1 and 2 ranks and at one of 3, 4 and 5; tests without parameters run at every
+    rank count."""
     size = world_size()
-    if size not in HALF_CASES_AT:
+    if size not in SHARED_AT:
         return
-    keep = HALF_CASES_AT.index(size)  # 4: cases 0, 2, 4...; 5: cases 1, 3, 5...
-    seen: dict[str, int] = {}
     kept, dropped = [], []
     for item in items:
-        if not halved(item):
-            kept.append(item)
-            continue
-        test = item.nodeid.split("[")[0]  # the test function
-        index = seen[test] = seen.get(test, -1) + 1
-        (kept if index % 2 == keep else dropped).append(item)
+        (kept if not shared_out(item) or rank_count_of(item) == size else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
