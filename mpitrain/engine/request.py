@@ -156,7 +156,9 @@ class Handle:
 
     @property
     def done(self) -> bool:
-        """Same as :meth:`test`."""
+        """Whether the operation is done, as :meth:`test` says, but without its effects:
+        it neither lets the name be submitted again nor lets go of the GIL (the engine
+        reads it inside its cycle)."""
         return self._done
 
     def __repr__(self) -> str:
