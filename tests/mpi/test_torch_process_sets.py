@@ -3,6 +3,10 @@ ranks against a local reference, async ops on several sets, the optimizer, misus
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -390,3 +394,31 @@ def test_first_async_call_needs_no_other_rank(on_a_set: bool) -> None:
             handle = hvd.allreduce_async(value(me), name="first", op=hvd.Sum, process_set=ps)
         assert torch.equal(hvd.synchronize(handle), sum(value(r) for r in members))
     hvd.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_set_barrier_returns_on_no_member_before_the_last_has_entered() -> None:
+    """Even and odd ranks in two sets, each with a barrier of its own at once: each
+    member of a set in turn enters late, right after creating a file, and every member
+    finds that file once its barrier returns (a file, not a clock: Horovod's
+    test_process_set_barrier_op times the barrier from each rank's own start, which
+    ranks sharing cores do not reach together)."""
+    n, me = hvd.size(), hvd.rank()
+    sets = [hvd.add_process_set([r for r in range(n) if r % 2 == parity]) for parity in (0, 1)]
+    mine = sets[me % 2]
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if me == 0 else None)
+    try:
+        for turn in range(max(len(s.ranks) for s in sets)):
+            late = mine.ranks[turn % len(mine.ranks)]
+            marker = os.path.join(folder, f"turn{turn}-rank{late}")
+            hvd.allreduce_(torch.ones(1), None, f"before_set_barrier{turn}", hvd.Sum)
+            if me == late:
+                time.sleep(0.2)
+                open(marker, "w").close()
+            hvd.barrier(process_set=mine)
+            check(os.path.exists(marker),
+                  f"the barrier of set {mine.ranks} returned before rank {late} entered it")
+    finally:
+        hvd.barrier()
+        if me == 0:
+            shutil.rmtree(folder)
