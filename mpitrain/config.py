@@ -99,7 +99,7 @@ ALGORITHM = Setting("MPITRAIN_ALGORITHM", str, "auto",
                     "Default algorithm for every collective (auto, ring, mpi, ...).")
 SEGMENT_BYTES = Setting("MPITRAIN_SEGMENT_BYTES", _parse_size, 0,
                         "Pipeline segment size of the ring in bytes (a chunk is cut into at "
-                        "most 1024 segments); 0 chooses by size.")
+                        "most 256 segments); 0 chooses by size.")
 TUNING_FILE = Setting("MPITRAIN_TUNING_FILE", str, "",
                       "JSON file written by mpitrain-tune that overrides the selection table.")
 CHECK = Setting("MPITRAIN_CHECK", _parse_bool, True,

@@ -41,14 +41,14 @@ def bounds_from_counts(counts: list[int]) -> list[Bounds]:
     return bounds
 
 
-MAX_SEGMENTS = 1024
+MAX_SEGMENTS = 256
 """The most segments a chunk is cut into, whatever the segment size asked for: every
-segment is a message, and the ring posts a chunk's messages at once. Thousands of
-them in flight (``MPITRAIN_SEGMENT_BYTES=64`` on a 1.3 MB allreduce at 3 ranks: 6,667
-per chunk) hung the ring inside MPI on the 2-core test host, every rank waiting for a
-segment; capped at 1024 (or 64) the same jobs finished. Larger chunks get larger
-segments instead; 1024 keeps the 60 KiB inter-node segments of
-:mod:`.hierarchical` for shards up to 60 MiB."""
+segment is a message, and the ring has about a chunk's worth of them in flight between
+neighbours. Thousands of small (eager) messages in flight stall Open MPI's shared-memory
+transport now and then: a rank waits a minute and more for a segment its neighbour has
+sent (docs/reliability.md, "Tiny segments on large buffers"). Larger chunks get larger
+segments instead; 256 keeps the 60 KiB inter-node segments of :mod:`.hierarchical` for
+shards up to 15 MiB."""
 
 
 def segment_count(max_chunk_elems: int, itemsize: int, segment_bytes: int) -> int:
