@@ -4,6 +4,10 @@ of training steps at 3, 4 and 5 ranks ends, with every result right, through the
 hundreds of kilobytes, which the ring used to cut into thousands of segments per
 chunk, all in flight at once (jobs hung inside the ring).
 
+``tools/ring_messages.py``, the ring's message pattern in plain mpi4py (with which
+docs/reliability.md tells a stall inside MPI from one of mpitrain's), runs here with
+each of its exchanges and checks its sums.
+
 Each job has a stall timeout (a hang inside it becomes StallError) and a hard timeout.
 The jobs send thousands of 64-byte messages per collective: `make integration` runs
 them alone (with another job beside them, one collective of the 3-rank job once took
@@ -40,3 +44,17 @@ def test_large_fused_buckets_in_tiny_segments(ranks: int) -> None:
                     MPITRAIN_STALL_TIMEOUT_S="60")
     assert code == 0, out[-4000:]
     assert "20 steps done" in out, out[-4000:]
+
+
+TOOL = str(Path(__file__).resolve().parents[2] / "tools" / "ring_messages.py")
+
+
+@pytest.mark.parametrize("exchange", ["none", "nbc", "block", "p2p"])
+def test_the_plain_mpi4py_ring_pattern_runs_and_checks_its_sums(exchange: str) -> None:
+    """tools/ring_messages.py (docs/reliability.md), at 3 ranks: every collective's sum
+    checked, each exchange before it."""
+    code, out = run(3, [sys.executable, TOOL, "--iters", "5", "--segments", "8", "--elems",
+                        "3", "--exchange", exchange, "--stall-s", "60"], 120)
+    assert code == 0, out[-4000:]
+    assert f"5 collectives of 8 segments of 24 B per chunk, exchange {exchange}:" in out, \
+        out[-4000:]
