@@ -44,9 +44,10 @@ def bounds_from_counts(counts: list[int]) -> list[Bounds]:
 MAX_SEGMENTS = 256
 """The most segments a chunk is cut into, whatever the segment size asked for: every
 segment is a message, and the ring has about a chunk's worth of them in flight between
-neighbours. Thousands of small (eager) messages in flight stall Open MPI's shared-memory
-transport now and then: a rank waits a minute and more for a segment its neighbour has
-sent (docs/reliability.md, "Tiny segments on large buffers"). Larger chunks get larger
+neighbours. Thousands of small messages in flight between ranks of one node stall
+Open MPI 5 now and then: a rank waits past its stall timeout (30 and 60 s in the runs)
+for a segment its neighbour has sent (docs/reliability.md, "Tiny segments on large
+buffers"). Larger chunks get larger
 segments instead; 256 keeps the 60 KiB inter-node segments of :mod:`.hierarchical` for
 shards up to 15 MiB."""
 
