@@ -79,15 +79,21 @@ class Ring:
         recvs = [comm.Irecv(seg[k], self.left, RS_TAG) for k in k_all]
         sends = [comm.Isend(self.view(src, (owned - 1) % n, k), self.right, RS_TAG)
                  for k in k_all]
+        finished = []  # the owned chunk's segments: the all-gather's first sends
         for step in range(n - 1):
             c, last = (owned - 2 - step) % n, step == n - 2
             for k in k_all:
                 self.poll([recvs[k]], f"reduce-scatter step {step}, segment {k}")
                 dst = self.view(out, c, k)
                 np.add(self.view(src, c, k), seg[k], out=dst)
-                if not last:
+                if last:
+                    finished.append(comm.Isend(dst, self.right, AG_TAG))
+                else:
                     recvs[k] = comm.Irecv(seg[k], self.left, RS_TAG)
-                sends.append(comm.Isend(dst, self.right, AG_TAG if last else RS_TAG))
+                    sends.append(comm.Isend(dst, self.right, RS_TAG))
+        # the reduce-scatter's sends read chunks the all-gather receives into
+        self.poll(sends, "the reduce-scatter's sends")
+        sends = finished
         rows = [[comm.Irecv(self.view(out, (owned - 1 - step) % n, k), self.left, AG_TAG)
                  for k in k_all] for step in range(n - 1)]
         for step in range(n - 1):
@@ -96,7 +102,7 @@ class Ring:
                 self.poll([rows[step][k]], f"all-gather step {step}, segment {k}")
                 if step < n - 2:
                     sends.append(comm.Isend(self.view(out, c, k), self.right, AG_TAG))
-        self.poll(sends, "the sends")
+        self.poll(sends, "the all-gather's sends")
         want = n * (n + 1) / 2
         if not (out == want).all():
             raise AssertionError(f"rank {self.rank}: collective {self.step} is wrong")
@@ -131,7 +137,8 @@ def main() -> None:
                                 daemon=True)
         side.start()
     start = time.perf_counter()
-    for ring.step in range(args.iters):
+    for step in range(args.iters):
+        ring.step = step
         if args.exchange != "none":
             ring.exchange(args.exchange)
         ring.allreduce()
