@@ -76,15 +76,21 @@ SPIN_S = 0.002
 and a barrier of ranks that share cores (which yields the core between tests)."""
 MAX_PAUSE_S = 0.005
 """Longest sleep between two tests of a wait that has gone on past :data:`SPIN_S`."""
+BUSY_SPIN_S = 50e-6
+"""How long a barrier tests without sleeping while this process's other threads have
+work (:attr:`SharedMemory.others_busy`), on cores the ranks do not share."""
+BUSY_MAX_PAUSE_S = 250e-6
+"""Longest sleep between two tests of such a wait: how late it may notice the last
+rank's arrival."""
 
 
-def next_pause(pause: float) -> float:
+def next_pause(pause: float, longest: float = MAX_PAUSE_S) -> float:
     """The sleep between the next two tests of a long wait that slept ``pause`` last
-    (0: the first): doubling from 10 us up to :data:`MAX_PAUSE_S`. A rank that waits
+    (0: the first): doubling from 10 us up to ``longest``. A rank that waits
     for a late one on cores they share sleeps rather than yields: yielding keeps it
     runnable, and four ranks yielding on two cores left the late one a fraction of a
     core, so it came tens of seconds late (long enough for a stall error)."""
-    return min(2 * pause + 1e-5, MAX_PAUSE_S)
+    return min(2 * pause + 1e-5, longest)
 
 
 def _align(nbytes: int) -> int:
@@ -156,6 +162,11 @@ class SharedMemory:
         # An object whose ``waiting`` is True while a barrier waits (the transport: the
         # stall inspector serves that flag to the other ranks).
         self.waiter: Any = None
+        # Set by the async engine that runs its collectives on this window: True while
+        # this process's own threads have work (no caller blocked on the engine). A
+        # barrier that waits past BUSY_SPIN_S then sleeps between tests instead of
+        # taking their core (see _poll).
+        self.others_busy: Callable[[], bool] | None = None
         # True if every rank can read every other rank's memory (set by create()).
         self.single_copy = False
         self.single_copy_reason = "not probed"
@@ -236,13 +247,21 @@ class SharedMemory:
     def _poll(self, target: int) -> None:
         """Wait for barrier ``target``: spin (on cores of its own: 64 tests, then yield
         between tests), or, where ranks share cores, yield between tests for
-        :data:`SPIN_S`, then sleep between them (:func:`next_pause`). The stall hook
-        hears of the wait every :attr:`stall_seconds`."""
+        :data:`SPIN_S`, then sleep between them (:func:`next_pause`). A wait of the
+        async engine's thread while the process's other threads compute
+        (:attr:`others_busy`) sleeps between tests from :data:`BUSY_SPIN_S` on, for at
+        most :data:`BUSY_MAX_PAUSE_S` at a time: a training step's backward pass runs on
+        the cores that a yielding wait keeps taking, and the late rank is usually late
+        because its own core is shared the same way. The stall hook hears of the wait
+        every :attr:`stall_seconds`."""
         flags = self.flags
         spin = not self.oversubscribed
+        busy = self.others_busy if spin else None
+        check = 0xF if busy is not None else 0xFF  # yields between looks at the clock
         polls = 0
         begun = start = 0.0  # when the wait, and the current stall period, began
         pause = 0.0
+        longest = MAX_PAUSE_S if busy is None else BUSY_MAX_PAUSE_S
         waiter = self.waiter
         if waiter is not None:
             waiter.waiting = True
@@ -251,10 +270,10 @@ class SharedMemory:
                 polls += 1
                 if pause:
                     time.sleep(pause)
-                    pause = next_pause(pause)
+                    pause = next_pause(pause, longest)
                 elif not spin or polls > 64:
                     yield_cpu()
-                    if polls & 0xFF:
+                    if polls & check:
                         continue
                 else:
                     continue
@@ -262,8 +281,10 @@ class SharedMemory:
                 if begun == 0.0:
                     begun = start = now
                     continue
-                if not spin and not pause and now - begun >= SPIN_S:
-                    pause = next_pause(0.0)
+                if not pause and (
+                        (not spin and now - begun >= SPIN_S)
+                        or (busy is not None and now - begun >= BUSY_SPIN_S and busy())):
+                    pause = next_pause(0.0, longest)
                 if self.stall_hook is not None and now - start >= self.stall_seconds:
                     self.stall_hook(now - start, self.missing(target))
                     start = now

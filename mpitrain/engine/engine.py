@@ -149,6 +149,8 @@ class Engine:
                                       self._waiters, self.dispatcher.shm,
                                       self.dispatcher.transport)
         self._runner = BucketRunner(self.dispatcher)
+        if self.dispatcher.shm is not None:  # its barriers wait without taking the callers' core
+            self.dispatcher.shm.others_busy = self._waiters.none_blocked
         self.lane = next(_lanes)
         """This engine's number in this process, in the order of their starts."""
         self.lane_name = f"mpitrain engine {self.lane} (rank 0 of {self.size})"

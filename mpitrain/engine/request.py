@@ -55,6 +55,12 @@ class Waiters:
             with cond:
                 self.blocked -= 1
 
+    def none_blocked(self) -> bool:
+        """True while no caller is blocked: the process's threads have work of their own
+        (a barrier of the engine's collectives then sleeps rather than spins while it
+        waits long: :attr:`~mpitrain.comm.shm.SharedMemory.others_busy`)."""
+        return self.blocked == 0
+
     def notify(self) -> None:
         """Wake the blocked callers: handles have become done (call after setting them)."""
         with self._cond:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from helpers import assert_all_ranks, assert_equal_all_ranks, crafted, reference
+from mpi4py import MPI
 
 import mpitrain as mt
 
@@ -338,6 +339,42 @@ def test_waits_from_several_threads(comm: mt.Communicator) -> None:
         j = len(handles) - 1 - i
         want = sum(crafted(r + j, 50 + j, "float32", mt.Sum) for r in range(comm.size))
         assert_equal_all_ranks(comm, results[i], want, f"thread result #{j}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_engine_barriers_know_whether_a_caller_waits(comm: mt.Communicator) -> None:
+    """The engine tells its shared-memory barriers whether this process's threads have
+    work of their own (then a long barrier wait sleeps, leaving them the core): yes
+    while nobody waits on the engine, no while a caller is blocked in ``wait()``."""
+    engine = comm.engine()
+    shm = engine.dispatcher.shm
+    if shm is None:
+        pytest.skip("no shared memory")
+    busy = shm.others_busy
+    assert_all_ranks(comm, busy is not None and busy(), "nobody waits, yet not busy")
+    assert busy is not None
+    x = np.full(1000, comm.rank + 1.0, np.float32)
+    seen: list[bool] = []
+    if comm.rank == 0:  # waits on another thread while the others have not submitted
+        handle = comm.allreduce_async(x)
+        results: list[Any] = []
+        waiter = threading.Thread(target=lambda: results.append(handle.wait()))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append(busy())
+        MPI.COMM_WORLD.Barrier()
+        waiter.join(60)
+        result = results[0] if results else None
+    else:
+        MPI.COMM_WORLD.Barrier()
+        result = comm.allreduce_async(x).wait()
+    want = np.full(1000, comm.size * (comm.size + 1) / 2, np.float32)
+    assert_equal_all_ranks(comm, result, want, "the allreduce")
+    assert_all_ranks(comm, seen == ([False] if comm.rank == 0 else []),
+                     f"busy while a caller waited: {seen}")
+    assert_all_ranks(comm, busy(), "still not busy after the wait")
 
 
 @pytest.mark.mpi(min_size=1)

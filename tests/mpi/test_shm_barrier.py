@@ -2,7 +2,8 @@
 compiled counters, on the interpreter's code, and with both on different ranks, under
 skewed arrivals: what a rank stored before a barrier is what the others read after it,
 a different fingerprint is seen by every rank, the parities never overwrite data
-that a slower rank still reads, and a long wait on shared cores sleeps."""
+that a slower rank still reads, and a long wait on shared cores, or of the async
+engine while the process's own threads compute, sleeps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.comm.shm import SharedMemory
+from mpitrain.comm import shm as shm_module
+from mpitrain.comm.shm import BUSY_MAX_PAUSE_S, SPIN_POLLS, SharedMemory
 
 ROUNDS = 300
 
@@ -125,3 +127,43 @@ def test_ranks_that_share_cores_sleep_through_a_long_wait(shm: SharedMemory) -> 
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
     assert_all_ranks_raw(shm, cpu < 0.25 * wall,
                          f"waited {wall:.2f} s for rank {late}, using {cpu:.2f} s of CPU")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("others_busy", [True, False], ids=["threads-busy", "caller-blocked"])
+def test_an_engine_barrier_sleeps_only_while_its_process_has_work(
+        shm: SharedMemory, others_busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cores of their own, a barrier of the async engine (``others_busy`` set) that
+    waits long for a late rank sleeps between tests, for at most ``BUSY_MAX_PAUSE_S``
+    at a time, while the process's other threads have work; while a caller is blocked
+    on the engine (``others_busy()`` False) it yields only, to pass the barrier as soon
+    as the late rank arrives."""
+    shm.oversubscribed, shm.polls = False, SPIN_POLLS
+    sleeps: list[float] = []
+    real = shm_module.time
+
+    class Clock:
+        """The module's ``time``, counting sleeps."""
+        monotonic = staticmethod(real.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+            real.sleep(seconds)
+
+    monkeypatch.setattr(shm_module, "time", Clock)
+    shm.others_busy = lambda: others_busy
+    late = shm.size - 1
+    MPI.COMM_WORLD.Barrier()
+    if shm.rank == late:
+        time.sleep(0.2)
+    shm.barrier()
+    if shm.rank == late:
+        ok = True
+    elif others_busy:
+        ok = bool(sleeps) and max(sleeps) <= BUSY_MAX_PAUSE_S
+    else:
+        ok = not sleeps
+    assert_all_ranks_raw(shm, ok, f"waited 0.2 s for rank {late} (others busy: "
+                                  f"{others_busy}) with {len(sleeps)} sleeps, the longest "
+                                  f"{max(sleeps, default=0.0) * 1e6:.0f} us")
