@@ -326,8 +326,35 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                     "step, every rank training its own copy at once): "
                     + ", ".join(
                         f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
+        threads = thread_bounds(run.doc["results"])
+        if threads:
+            out += ["", "Highest `gloo/impl` each implementation could reach if mpitrain's "
+                    "threads cost nothing (the gloo step over the CPU time per step of the "
+                    "implementation's training thread, which also does DDP's copies into "
+                    "its buckets, over either backend): " + "; ".join(
+                        f"{model} " + ", ".join(f"{impl} {b:.2f}" for impl, b in per.items())
+                        for model, per in threads.items()) + "."]
         out.append("")
     return out
+
+
+def thread_bounds(results: list[Row]) -> dict[str, dict[str, float]]:
+    """Per model and mpitrain implementation of a training run (rows as dictionaries),
+    the highest ``gloo/impl`` it could reach if its own threads cost nothing: the gloo
+    step of its kind over the CPU time per step of its training thread (``train_cpu_ms``,
+    max over ranks), which no step can be shorter than. That thread also does what the
+    framework does around any backend (DDP's copies of gradients into its buckets and
+    back), so this bound, unlike the ``no comm`` one, counts it. Runs written before
+    ``train_cpu_ms`` have none."""
+    steps = {(r["model"], r["impl"]): r["step_ms"] for r in results}
+    bounds: dict[str, dict[str, float]] = {}
+    for r in results:
+        gloo = steps.get((r["model"], GLOO_OF.get(r["impl"], "")))
+        thread = r.get("train_cpu_ms", math.nan)
+        if r["impl"] in GLOO_OF.values() or not gloo or not thread or math.isnan(thread):
+            continue
+        bounds.setdefault(r["model"], {})[r["impl"]] = gloo / thread
+    return bounds
 
 
 def scaling_bounds(doc: dict[str, Any]) -> dict[str, float]:

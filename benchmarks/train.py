@@ -95,7 +95,7 @@ import mpitrain.torch as hvd
 
 from . import gloo
 from .common import OneRankParser, command_line, machine_info, program_name
-from .report import ALONE, BASELINES, GLOO_OF, NO_COMM
+from .report import ALONE, BASELINES, GLOO_OF, NO_COMM, thread_bounds
 
 MODELS = ("mlp", "convnet")
 IMPLS = ("mpitrain", "ddp", "ddp-mpitrain", "fsdp", "fsdp-mpitrain")
@@ -503,6 +503,8 @@ class TrainResult:
     other_cpu_ms: float = math.nan
     """Of it, the threads other than the one that trains: a backend's communication
     threads (mpitrain's engine and stall inspector, gloo's), max over ranks."""
+    train_cpu_ms: float = math.nan
+    """CPU time of the training thread per step, max over ranks: no step is shorter."""
 
 
 def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
@@ -562,14 +564,15 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
     # median, min, max per implementation; the 1-rank times are rank 0's (0 elsewhere)
     # and CPU per step: every thread, the other threads
     stats = np.array([[statistics.median(t), min(t), max(t),
-                       cpu[impl][0] / len(t), (cpu[impl][0] - cpu[impl][1]) / len(t)]
-                      if t else [0.0] * 5 for impl, t in times.items()])
+                       cpu[impl][0] / len(t), (cpu[impl][0] - cpu[impl][1]) / len(t),
+                       cpu[impl][1] / len(t)]
+                      if t else [0.0] * 6 for impl, t in times.items()])
     world.Allreduce(MPI.IN_PLACE, stats, MPI.MAX)
     params = list(initial.parameters())
     count, tensors = sum(p.numel() for p in params), len(params)
     one_rank_s = stats[0][0]
     rows = []
-    for impl, (median, fastest, longest, cpu_s, other_s) in zip(times, stats):
+    for impl, (median, fastest, longest, cpu_s, other_s, thread_s) in zip(times, stats):
         alone, checked = impl == ALONE, impl not in (*BASELINES, opts.baseline)
         column = differences[:, opts.parallel.index(impl)] if checked else np.zeros(1)
         difference = math.nan if np.isnan(column).any() else float(column.max())
@@ -581,7 +584,7 @@ def measure(opts: TrainOptions, name: str, world: MPI.Intracomm,
                                 scaling_efficiency(one_rank_s, median),
                                 opts.steps * opts.rounds, difference if checked else math.nan,
                                 matches(difference, opts.tolerance) if checked else True,
-                                cpu_s * 1e3, other_s * 1e3))
+                                cpu_s * 1e3, other_s * 1e3, thread_s * 1e3))
     return rows
 
 
@@ -603,6 +606,18 @@ def cpu_line(rows: Sequence[TrainResult]) -> str:
     return f"# CPU/step {rows[0].model:>8} : " + "; ".join(
         f"{r.impl} {r.cpu_ms:.1f} ms ({r.other_cpu_ms:.1f} off the training thread)"
         for r in rows)
+
+
+def bound_line(rows: Sequence[TrainResult]) -> str | None:
+    """One model's :func:`~benchmarks.report.thread_bounds`: the ``gloo/impl`` each
+    mpitrain implementation could reach if its own threads cost nothing (None: no row
+    has a gloo step to compare with)."""
+    bounds = thread_bounds([asdict(r) for r in rows]).get(rows[0].model)
+    if not bounds:
+        return None
+    return (f"# Bound     {rows[0].model:>8} : gloo/impl at most " + ", ".join(
+        f"{impl} {b:.2f}" for impl, b in bounds.items())
+        + " (the gloo step over the training thread's CPU per step)")
 
 
 # -- the table ------------------------------------------------------------------------
@@ -708,6 +723,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results += rows
         emit(table_rows(rows))
     emit([cpu_line([r for r in results if r.model == name]) for name in opts.models])
+    bounds = [line for name in opts.models
+              if (line := bound_line([r for r in results if r.model == name])) is not None]
+    if bounds:
+        emit(bounds)
     emit(verification_lines(results, opts.tolerance, opts.against))
     if rank == 0 and opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
@@ -718,7 +737,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"min/max likewise; {ALONE} = rank 0 alone; "
                                  f"{NO_COMM} = every rank alone at once; cpu_ms = the "
                                  "process's CPU time per timed step, other_cpu_ms its "
-                                 "threads but the training one's, max over ranks",
+                                 "threads but the training one's, train_cpu_ms the "
+                                 "training thread's, each max over ranks",
                        "results": [asdict(r) for r in results]}, f, indent=1)
             f.write("\n")
     if groups:

@@ -32,6 +32,8 @@ def test_train_benchmark_prints_the_table_and_verifies(tmp_path: Path) -> None:
     cpu = [line for line in result.out.splitlines() if line.startswith("# CPU/step")]
     assert [line.split()[2] for line in cpu] == ["mlp", "convnet"], result.out
     assert all(f"; {i} " in line for line in cpu for i in impls[1:]), cpu
+    bound = [line for line in result.out.splitlines() if line.startswith("# Bound")]
+    assert [line.split()[2] for line in bound] == ["mlp", "convnet"], result.out
     doc = json.loads(out.read_text())
     assert doc["case"] == "train" and doc["machine"]["ranks"] == 2
     assert doc["machine"]["idle_wait"] == "yield"
@@ -40,6 +42,7 @@ def test_train_benchmark_prints_the_table_and_verifies(tmp_path: Path) -> None:
     for r in doc["results"]:
         assert r["step_ms"] > 0 and r["steps"] == 4
         assert r["cpu_ms"] > 0 and 0 <= r["other_cpu_ms"] <= r["cpu_ms"], r
+        assert 0 < r["train_cpu_ms"] <= r["cpu_ms"] + 1e-6, r
         if r["impl"] not in ("1 rank", "no comm", "ddp"):
             assert r["ok"] and r["difference"] < doc["settings"]["tolerance"]
 

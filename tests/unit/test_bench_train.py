@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import asdict
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from benchmarks import train  # noqa: E402  (needs torch)
+from benchmarks import report, train  # noqa: E402  (needs torch)
 
 
 @pytest.mark.parametrize("small", [False, True])
@@ -99,12 +100,34 @@ def test_table_shows_ratio_against_gloo_of_the_same_kind_and_the_check() -> None
 
 def test_cpu_line_says_where_each_implementations_cpu_went() -> None:
     rows = [train.TrainResult(*[getattr(_row(impl, 10.0), f) for f in
-                                train.TrainResult.__dataclass_fields__][:-2], cpu, other)
+                                train.TrainResult.__dataclass_fields__][:-3], cpu, other)
             for impl, cpu, other in (("1 rank", 9.5, 0.04), ("ddp", 14.25, 4.5))]
     assert train.cpu_line(rows) == (
         "# CPU/step      mlp : 1 rank 9.5 ms (0.0 off the training thread); "
         "ddp 14.2 ms (4.5 off the training thread)")
     assert math.isnan(_row("ddp", 1.0).cpu_ms)  # results written before it have none
+
+
+def test_thread_bound_is_the_gloo_step_over_the_training_threads_cpu() -> None:
+    def row(impl: str, step_ms: float, thread_ms: float, model: str = "mlp"
+            ) -> train.TrainResult:
+        base = _row(impl, step_ms)
+        return train.TrainResult(*[getattr(base, f) for f in
+                                   train.TrainResult.__dataclass_fields__][:-3],
+                                 thread_ms + 5.0, 5.0, thread_ms)
+    rows = [row("no comm", 8.0, 7.5), row("ddp", 12.0, 9.0), row("ddp-mpitrain", 10.0, 8.0),
+            row("mpitrain", 9.0, 6.0), row("fsdp", 20.0, 10.0), row("fsdp-mpitrain", 15.0, 12.5)]
+    # not the baselines nor gloo's own rows; each against the gloo step of its kind
+    assert report.thread_bounds([asdict(r) for r in rows]) == {"mlp": {
+        "ddp-mpitrain": 1.5, "mpitrain": 2.0, "fsdp-mpitrain": 1.6}}
+    assert train.bound_line(rows) == (
+        "# Bound          mlp : gloo/impl at most ddp-mpitrain 1.50, mpitrain 2.00, "
+        "fsdp-mpitrain 1.60 (the gloo step over the training thread's CPU per step)")
+    # no gloo row, or rows written before the training thread was timed: no bound
+    assert train.bound_line([r for r in rows if r.impl not in ("ddp", "fsdp")]) is None
+    assert report.thread_bounds([asdict(_row("ddp", 12.0)), asdict(_row("mpitrain", 9.0))]) == {}
+    old_file = [{k: v for k, v in asdict(r).items() if k != "train_cpu_ms"} for r in rows]
+    assert report.thread_bounds(old_file) == {}
 
 
 def test_verification_lines_count_failures_of_every_checked_implementation() -> None:
