@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from mpitrain import excepthook
 
-from . import fusion, gloo, harness
+from . import common, fusion, gloo, harness
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("python -m benchmarks train: error: needs torch: pip install "
                       "torch==2.13.0", file=sys.stderr, flush=True)
             return 2
+        common.ask_for_huge_pages(args)  # before torch's first allocation
         from . import train
 
         return train.main(args[1:])

@@ -245,6 +245,39 @@ def idle_wait() -> str:
     return "yield" if yielding else "busy-poll"
 
 
+HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
+"""torch's switch for transparent huge pages under its CPU tensors of 2 MiB and more,
+read once, at torch's first allocation."""
+SMALL_PAGES_FLAG = "--small-pages"
+"""The training benchmark's option to leave torch's allocations on 4 KiB pages."""
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def ask_for_huge_pages(args: Sequence[str]) -> None:
+    """Before torch is imported: have it put its large tensors on transparent huge
+    pages, unless ``args`` has :data:`SMALL_PAGES_FLAG` or the variable is set. On 4 KiB
+    pages, which of several models built one after another trains faster depends on
+    where each one's tensors landed (docs/benchmarks.md, "Training steps against torch
+    DDP and FSDP": the figures)."""
+    if SMALL_PAGES_FLAG not in args:
+        os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")
+
+
+def huge_pages() -> str:
+    """How torch's large tensors are paged in this process, for a benchmark's header:
+    on ``huge pages`` (asked for, and the kernel allows it) or on ``4 KiB pages``."""
+    try:
+        with open(THP_MODE_FILE, encoding="utf-8") as f:
+            mode = f.read()
+    except OSError:
+        mode = ""
+    if os.environ.get(HUGE_PAGES_VARIABLE, "0") != "1":
+        return "4 KiB pages"
+    if "[never]" in mode or not mode:
+        return "4 KiB pages (transparent huge pages are off in the kernel)"
+    return "huge pages"
+
+
 def machine_info(world: MPI.Intracomm) -> dict[str, Any]:
     """Where the run happened (collective: gathers every rank's host name)."""
     hosts = sorted(set(world.allgather(socket.gethostname())))

@@ -326,12 +326,15 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                     "step, every rank training its own copy at once): "
                     + ", ".join(
                         f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
-        threads = thread_bounds(run.doc["results"])
+        # where ranks share cores, a training thread's CPU time bounds nothing useful
+        cores = run.doc["machine"].get("cpus") or 0
+        threads = thread_bounds(run.doc["results"]) if run.ranks <= cores else {}
         if threads:
             out += ["", "Highest `gloo/impl` each implementation could reach if mpitrain's "
                     "threads cost nothing (the gloo step over the CPU time per step of the "
-                    "implementation's training thread, which also does DDP's copies into "
-                    "its buckets, over either backend): " + "; ".join(
+                    "implementation's training thread, which also does the framework's own "
+                    "work, such as DDP's copies into its buckets, over either backend): "
+                    + "; ".join(
                         f"{model} " + ", ".join(f"{impl} {b:.2f}" for impl, b in per.items())
                         for model, per in threads.items()) + "."]
         out.append("")

@@ -70,7 +70,10 @@ gradients in different orders) can send the two trainings of the ConvNet apart b
 percents within a few steps, even with plain float32 sums in two orders and no
 communication library at all; a smooth activation keeps them within about 1e-5.
 
-Every rank runs ``torch.set_num_threads(1)``: one core per rank.
+Every rank runs ``torch.set_num_threads(1)``: one core per rank. Started as ``python -m
+benchmarks train``, torch puts its tensors of 2 MiB and more on transparent huge pages
+(:func:`~benchmarks.common.ask_for_huge_pages`; not with ``--small-pages``), so that
+the order in which the implementations' models are built does not change their speed.
 """
 
 from __future__ import annotations
@@ -94,7 +97,15 @@ from torch import nn
 import mpitrain.torch as hvd
 
 from . import gloo
-from .common import OneRankParser, command_line, machine_info, program_name
+from .common import (
+    HUGE_PAGES_VARIABLE,
+    SMALL_PAGES_FLAG,
+    OneRankParser,
+    command_line,
+    huge_pages,
+    machine_info,
+    program_name,
+)
 from .report import ALONE, BASELINES, GLOO_OF, NO_COMM, thread_bounds
 
 MODELS = ("mlp", "convnet")
@@ -215,6 +226,12 @@ def parse_args(argv: Sequence[str], quiet: bool = False) -> TrainOptions:
     p.add_argument("--against", choices=AGAINST, default=None,
                    help="what the parameters are checked against: ddp (DDP over gloo, the "
                         "default when it runs) or reference (a one-process training)")
+    p.add_argument(SMALL_PAGES_FLAG, action="store_true",
+                   help="leave torch's tensors on 4 KiB pages (by default `python -m "
+                        f"benchmarks train` sets {HUGE_PAGES_VARIABLE}=1 before torch "
+                        "starts, so that every implementation's parameters, gradients and "
+                        "buckets are on huge pages: on 4 KiB pages the model built first "
+                        "can train faster than the same one built second)")
     # Scales mpitrain's loss on the last rank by 1 + F: the check must then fail.
     p.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -691,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hvd.init()
     groups = process_groups(opts, world)
     command = command_line(["train", *args], nranks)
-    machine = {**machine_info(world), "torch": torch.__version__}
+    machine = {**machine_info(world), "torch": torch.__version__, "pages": huge_pages()}
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:
@@ -705,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "1 torch thread each",
           f"# versions  : python {machine['python']}, torch {machine['torch']}, "
           f"mpitrain {machine['mpitrain']}",
+          f"# memory    : torch's tensors of 2 MiB and more on {machine['pages']}",
           f"# training  : SGD lr {opts.lr:g} momentum {opts.momentum:g}, cross-entropy on "
           f"synthetic data, seed {opts.seed}; gradients {opts.compression}",
           f"# device    : {describe_device(opts)}",
@@ -725,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit([cpu_line([r for r in results if r.model == name]) for name in opts.models])
     bounds = [line for name in opts.models
               if (line := bound_line([r for r in results if r.model == name])) is not None]
-    if bounds:
+    if bounds and nranks <= (machine["cpus"] or 0):  # else the threads share cores
         emit(bounds)
     emit(verification_lines(results, opts.tolerance, opts.against))
     if rank == 0 and opts.json:

@@ -506,3 +506,56 @@ def test_latency_runs_as_a_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(latency, "main", lambda argv: seen.append(list(argv)) or 0)
     assert entry.main(["latency", "--sizes", "4"]) == 0
     assert seen == [["--sizes", "4"]]
+
+
+def test_the_training_benchmark_asks_torch_for_huge_pages_unless_told_not_to(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    variable = common.HUGE_PAGES_VARIABLE
+    monkeypatch.delenv(variable, raising=False)
+    common.ask_for_huge_pages(["--model", "mlp", common.SMALL_PAGES_FLAG])
+    assert variable not in common.os.environ
+    common.ask_for_huge_pages(["--model", "mlp"])
+    assert common.os.environ[variable] == "1"
+    monkeypatch.setenv(variable, "0")  # the user's own choice stands
+    common.ask_for_huge_pages([])
+    assert common.os.environ[variable] == "0"
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(common, "THP_MODE_FILE", str(mode))
+    mode.write_text("always [madvise] never\n")
+    assert common.huge_pages() == "4 KiB pages"
+    monkeypatch.setenv(variable, "1")
+    assert common.huge_pages() == "huge pages"
+    mode.write_text("always madvise [never]\n")
+    assert common.huge_pages().startswith("4 KiB pages (transparent huge pages are off")
+
+
+def test_the_training_benchmarks_entry_sets_huge_pages_before_torch_allocates(
+        tmp_path: Any) -> None:
+    """What `python -m benchmarks train` does before it imports torch must reach torch:
+    a 16 MiB tensor allocated afterwards is on huge pages (where the kernel allows them),
+    and not with --small-pages."""
+    import os
+    import subprocess
+
+    try:
+        with open(common.THP_MODE_FILE, encoding="utf-8") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off in this kernel")
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    script = (
+        "import sys; from benchmarks import common; common.ask_for_huge_pages(sys.argv[1:]); "
+        "import torch; t = torch.ones(16 << 20); "
+        "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup') "
+        "if l.startswith('AnonHugePages')][0])")
+    env = {k: v for k, v in os.environ.items() if k != common.HUGE_PAGES_VARIABLE}
+
+    def huge_kib(*args: str) -> int:
+        out = subprocess.run([sys.executable, "-c", script, *args], env=env, check=True,
+                             capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert huge_kib("--model", "mlp") >= 2048
+    with open(common.THP_MODE_FILE, encoding="utf-8") as f:
+        if "[always]" not in f.read():
+            assert huge_kib(common.SMALL_PAGES_FLAG) == 0
