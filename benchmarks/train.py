@@ -376,8 +376,8 @@ def ddp_trainer(model: nn.Module, opts: TrainOptions, group: Any,
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, process_group=group)
-    if opts.fp16:
-        ddp.register_comm_hook(state=None, hook=fp16_compress_hook)
+    if opts.fp16:  # the hook's state is its group (None: the default group, gloo's here)
+        ddp.register_comm_hook(state=group, hook=fp16_compress_hook)
     return Trainer(ddp, sgd(ddp, opts), loss_scale)
 
 

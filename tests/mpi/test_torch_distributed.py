@@ -371,6 +371,29 @@ def test_ddp_equals_one_process(hook: str, passes: int) -> None:
           f"DDP hook={hook} passes={passes}")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.host_only("the training benchmark's DDP on CPU tensors")
+def test_the_training_benchmarks_fp16_hook_runs_over_the_group_it_is_given() -> None:
+    """``python -m benchmarks train --fp16`` gives DDP ``fp16_compress_hook``: its
+    allreduces must go over the group the DDP is given (the benchmark's mpitrain group
+    beside gloo's default one), not over the default group, which a hook without state
+    uses."""
+    from benchmarks import train
+
+    given = dist.new_group(backend="mpitrain")
+    opts = train.parse_args(["--fp16", "--small", "--impl", "ddp-mpitrain"], quiet=True)
+    trainer = train.ddp_trainer(train.build_model("mlp", small=True), opts, given)
+    engines = {name: g.comm.engine()  # the group is the backend's ProcessGroup itself
+               for name, g in (("given", given), ("default", dist.group.WORLD))}
+    before = {name: e.snapshot().operations for name, e in engines.items()}
+    for step in range(2):
+        trainer.step(*train.make_batch("mlp", True, 4, 1, dist.get_rank(), step))
+    ran = {name: e.snapshot().operations - before[name] for name, e in engines.items()}
+    check(ran["given"] > 0 and ran["default"] == 0,
+          f"the hook's allreduces ran on these groups' engines: {ran}")
+    dist.destroy_process_group(given)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ddp_join_with_uneven_inputs() -> None:
     """Rank r trains STEPS + r steps under DDP.join(): in each step the ranks that have
