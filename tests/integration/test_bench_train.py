@@ -4,6 +4,7 @@ and a perturbed run that the verification must report as a mismatch."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ def test_train_benchmark_prints_the_table_and_verifies(tmp_path: Path) -> None:
     assert [line.split()[2] for line in cpu] == ["mlp", "convnet"], result.out
     assert all(f"; {i} " in line for line in cpu for i in impls[1:]), cpu
     bound = [line for line in result.out.splitlines() if line.startswith("# Bound")]
-    assert [line.split()[2] for line in bound] == ["mlp", "convnet"], result.out
+    # the training thread's CPU bounds the step where every rank has a core
+    want = ["mlp", "convnet"] if (os.cpu_count() or 1) >= 2 else []
+    assert [line.split()[2] for line in bound] == want, result.out
     doc = json.loads(out.read_text())
     assert doc["case"] == "train" and doc["machine"]["ranks"] == 2
     assert doc["machine"]["idle_wait"] == "yield"
