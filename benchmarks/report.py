@@ -326,9 +326,7 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
                     "step, every rank training its own copy at once): "
                     + ", ".join(
                         f"{model} {bound:.2f}" for model, bound in bounds.items()) + "."]
-        # where ranks share cores, a training thread's CPU time bounds nothing useful
-        cores = run.doc["machine"].get("cpus") or 0
-        threads = thread_bounds(run.doc["results"]) if run.ranks <= cores else {}
+        threads = thread_bounds(run.doc["results"], run.doc["machine"].get("cpus") or 0)
         if threads:
             out += ["", "Highest `gloo/impl` each implementation could reach if mpitrain's "
                     "threads cost nothing (the gloo step over the CPU time per step of the "
@@ -341,20 +339,23 @@ def train_tables(runs: Sequence[Run]) -> list[str]:
     return out
 
 
-def thread_bounds(results: list[Row]) -> dict[str, dict[str, float]]:
-    """Per model and mpitrain implementation of a training run (rows as dictionaries),
-    the highest ``gloo/impl`` it could reach if its own threads cost nothing: the gloo
-    step of its kind over the CPU time per step of its training thread (``train_cpu_ms``,
-    max over ranks), which no step can be shorter than. That thread also does what the
-    framework does around any backend (DDP's copies of gradients into its buckets and
-    back), so this bound, unlike the ``no comm`` one, counts it. Runs written before
-    ``train_cpu_ms`` have none."""
+def thread_bounds(results: list[Row], cores: int) -> dict[str, dict[str, float]]:
+    """Per model and mpitrain implementation of a training run (rows as dictionaries)
+    on a host of ``cores`` cores, the highest ``gloo/impl`` it could reach if its own
+    threads cost nothing: the gloo step of its kind over the CPU time per step of its
+    training thread (``train_cpu_ms``, max over ranks), which no step can be shorter
+    than. That thread also does what the framework does around any backend (DDP's
+    copies of gradients into its buckets and back), so this bound, unlike the ``no
+    comm`` one, counts it. None where the ranks share cores (a training thread then has
+    less than a core, and its CPU time bounds nothing useful), nor for runs written
+    before ``train_cpu_ms``."""
     steps = {(r["model"], r["impl"]): r["step_ms"] for r in results}
     bounds: dict[str, dict[str, float]] = {}
     for r in results:
         gloo = steps.get((r["model"], GLOO_OF.get(r["impl"], "")))
         thread = r.get("train_cpu_ms", math.nan)
-        if r["impl"] in GLOO_OF.values() or not gloo or not thread or math.isnan(thread):
+        if r["impl"] in GLOO_OF.values() or not gloo or not thread or math.isnan(thread) \
+                or r["ranks"] > cores:
             continue
         bounds.setdefault(r["model"], {})[r["impl"]] = gloo / thread
     return bounds

@@ -625,11 +625,12 @@ def cpu_line(rows: Sequence[TrainResult]) -> str:
         for r in rows)
 
 
-def bound_line(rows: Sequence[TrainResult]) -> str | None:
-    """One model's :func:`~benchmarks.report.thread_bounds`: the ``gloo/impl`` each
-    mpitrain implementation could reach if its own threads cost nothing (None: no row
-    has a gloo step to compare with)."""
-    bounds = thread_bounds([asdict(r) for r in rows]).get(rows[0].model)
+def bound_line(rows: Sequence[TrainResult], cores: int) -> str | None:
+    """One model's :func:`~benchmarks.report.thread_bounds` on a host of ``cores``
+    cores: the ``gloo/impl`` each mpitrain implementation could reach if its own threads
+    cost nothing (None: no row has a gloo step to compare with, or the ranks share
+    cores)."""
+    bounds = thread_bounds([asdict(r) for r in rows], cores).get(rows[0].model)
     if not bounds:
         return None
     return (f"# Bound     {rows[0].model:>8} : gloo/impl at most " + ", ".join(
@@ -741,9 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results += rows
         emit(table_rows(rows))
     emit([cpu_line([r for r in results if r.model == name]) for name in opts.models])
-    bounds = [line for name in opts.models
-              if (line := bound_line([r for r in results if r.model == name])) is not None]
-    if bounds and nranks <= (machine["cpus"] or 0):  # else the threads share cores
+    bounds = [line for name in opts.models if (line := bound_line(
+        [r for r in results if r.model == name], machine["cpus"] or 0)) is not None]
+    if bounds:
         emit(bounds)
     emit(verification_lines(results, opts.tolerance, opts.against))
     if rank == 0 and opts.json:

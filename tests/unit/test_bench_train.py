@@ -109,8 +109,7 @@ def test_cpu_line_says_where_each_implementations_cpu_went() -> None:
 
 
 def test_thread_bound_is_the_gloo_step_over_the_training_threads_cpu() -> None:
-    def row(impl: str, step_ms: float, thread_ms: float, model: str = "mlp"
-            ) -> train.TrainResult:
+    def row(impl: str, step_ms: float, thread_ms: float) -> train.TrainResult:
         base = _row(impl, step_ms)
         return train.TrainResult(*[getattr(base, f) for f in
                                    train.TrainResult.__dataclass_fields__][:-3],
@@ -118,16 +117,20 @@ def test_thread_bound_is_the_gloo_step_over_the_training_threads_cpu() -> None:
     rows = [row("no comm", 8.0, 7.5), row("ddp", 12.0, 9.0), row("ddp-mpitrain", 10.0, 8.0),
             row("mpitrain", 9.0, 6.0), row("fsdp", 20.0, 10.0), row("fsdp-mpitrain", 15.0, 12.5)]
     # not the baselines nor gloo's own rows; each against the gloo step of its kind
-    assert report.thread_bounds([asdict(r) for r in rows]) == {"mlp": {
+    assert report.thread_bounds([asdict(r) for r in rows], 2) == {"mlp": {
         "ddp-mpitrain": 1.5, "mpitrain": 2.0, "fsdp-mpitrain": 1.6}}
-    assert train.bound_line(rows) == (
+    assert train.bound_line(rows, 2) == (
         "# Bound          mlp : gloo/impl at most ddp-mpitrain 1.50, mpitrain 2.00, "
         "fsdp-mpitrain 1.60 (the gloo step over the training thread's CPU per step)")
     # no gloo row, or rows written before the training thread was timed: no bound
-    assert train.bound_line([r for r in rows if r.impl not in ("ddp", "fsdp")]) is None
-    assert report.thread_bounds([asdict(_row("ddp", 12.0)), asdict(_row("mpitrain", 9.0))]) == {}
+    assert train.bound_line([r for r in rows if r.impl not in ("ddp", "fsdp")], 2) is None
+    assert report.thread_bounds([asdict(_row("ddp", 12.0)), asdict(_row("mpitrain", 9.0))],
+                                2) == {}
     old_file = [{k: v for k, v in asdict(r).items() if k != "train_cpu_ms"} for r in rows]
-    assert report.thread_bounds(old_file) == {}
+    assert report.thread_bounds(old_file, 2) == {}
+    # two ranks on one core: a training thread has half a core, its CPU bounds nothing
+    assert report.thread_bounds([asdict(r) for r in rows], 1) == {}
+    assert train.bound_line(rows, 1) is None
 
 
 def test_verification_lines_count_failures_of_every_checked_implementation() -> None:

@@ -559,3 +559,39 @@ def test_the_training_benchmarks_entry_sets_huge_pages_before_torch_allocates(
     with open(common.THP_MODE_FILE, encoding="utf-8") as f:
         if "[always]" not in f.read():
             assert huge_kib(common.SMALL_PAGES_FLAG) == 0
+
+
+def test_the_entry_asks_for_huge_pages_before_it_imports_the_training_module(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reads the variable at its first allocation, and ``benchmarks.train``
+    imports torch: ``python -m benchmarks train`` must set it before that import (a
+    stand-in module records the variable as it is imported)."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    import benchmarks
+    from benchmarks import __main__ as entry
+
+    variable = common.HUGE_PAGES_VARIABLE
+    seen: list[str | None] = []
+
+    class StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "benchmarks.train":
+                return None
+            return importlib.machinery.ModuleSpec(name, self)
+
+        def create_module(self, spec: Any) -> None:
+            return None
+
+        def exec_module(self, module: types.ModuleType) -> None:
+            seen.append(common.os.environ.get(variable))
+            module.main = lambda argv: 0  # type: ignore[attr-defined]
+
+    monkeypatch.delitem(sys.modules, "benchmarks.train", raising=False)
+    monkeypatch.delattr(benchmarks, "train", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [StandIn(), *sys.meta_path])
+    monkeypatch.delenv(variable, raising=False)
+    assert entry.main(["train", "--model", "mlp"]) == 0
+    assert seen == ["1"]
