@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import socket
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -48,36 +48,49 @@ def init(world: MPI.Intracomm) -> Any:
     return dist
 
 
-def groups(world: MPI.Intracomm, over_gloo: bool, over_mpitrain: bool) -> dict[str, Any]:
+def groups(world: MPI.Intracomm, over_gloo: bool, over_mpitrain: bool,
+           over_mpi: bool = False) -> dict[str, Any]:
     """The torch.distributed groups a run needs (collective over ``world``): ``gloo``
-    (the default group, :func:`init`) and ``mpitrain`` (a group of mpitrain's backend:
-    a new group beside gloo's, or the default group when gloo does not run)."""
+    (the default group, :func:`init`), ``mpitrain`` (a group of mpitrain's backend) and
+    ``pympi`` (a group of the :mod:`.torch_mpi` baseline): each a new group beside the
+    default one, or the default group when it is the first."""
     found: dict[str, Any] = {}
     if over_gloo:
         found["gloo"] = init(world).group.WORLD
-    if over_mpitrain:
+    wanted = [name for name, on in (("mpitrain", over_mpitrain), ("pympi", over_mpi)) if on]
+    if wanted:
         import torch.distributed as dist
 
-        import mpitrain.torch  # noqa: F401  (importing it registers the backend)
+        import mpitrain.torch  # noqa: F401  (registers the backend and mpitrain://)
 
-        if dist.is_initialized():
-            found["mpitrain"] = dist.new_group(backend="mpitrain")
-        else:
-            dist.init_process_group("mpitrain", init_method="mpitrain://")
-            found["mpitrain"] = dist.group.WORLD
+        from . import torch_mpi
+
+        torch_mpi.register()
+        for name in wanted:
+            if dist.is_initialized():
+                found[name] = dist.new_group(backend=name)
+            else:
+                dist.init_process_group(name, init_method="mpitrain://")
+                found[name] = dist.group.WORLD
     return found
 
 
 class OnGroup:
     """torch.distributed with every function bound to one process group: ``OnGroup(g)
     .all_reduce(t)`` is ``dist.all_reduce(t, group=g)``; a function torch does not have
-    raises ``AttributeError``, as the module does."""
+    raises ``AttributeError``, as the module does. ``tensor(arr)`` wraps a buffer for
+    the group's backend (``None`` where it does not take its dtype)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, wrap: Callable[[Array], Any] | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
+        self._wrap = wrap or tensor
+
+    def tensor(self, arr: Array) -> Any:
+        """A torch tensor sharing ``arr``'s memory for this group's backend, or ``None``."""
+        return self._wrap(arr)
 
     def __getattr__(self, name: str) -> Any:
         return functools.partial(getattr(self._dist, name), group=self.group)
@@ -100,6 +113,16 @@ def tensor(arr: Array) -> Any:
     if arr.dtype.name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
+
+
+def wrapper(backend: str) -> Callable[[Array], Any]:
+    """How the columns of a group of ``backend`` wrap their buffers: :func:`tensor`, or
+    the :mod:`.torch_mpi` baseline's own rule."""
+    if backend == "pympi":
+        from . import torch_mpi
+
+        return torch_mpi.tensor
+    return tensor
 
 
 def reduce_op(op: str) -> Any:

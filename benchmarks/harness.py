@@ -28,7 +28,10 @@ bandwidth bound of an algorithm that reads the other ranks' buffers directly
 Baselines: ``mpi`` (the MPI library's own collective) and ``gloo``
 (torch.distributed, :mod:`.gloo`); ``torch-mpitrain`` is mpitrain reached through
 torch.distributed (the same calls as the gloo column, on a group of mpitrain's backend),
-as DDP and FSDP users reach it. mpitrain's out-of-place calls are handed a
+as DDP and FSDP users reach it; ``torch-mpi`` (:mod:`.torch_mpi`) is the same
+torch.distributed calls on a backend written in Python that calls MPI's own collective:
+the least a Python backend costs, compared with ``torch-mpitrain``. mpitrain's
+out-of-place calls are handed a
 preallocated ``out=``, as MPI's are; ``--outputs given,alloc`` (the default) adds the
 ``[alloc]`` columns: the plain call (``comm.allreduce(x)``), which allocates its result
 and pays the first touch of its pages, as a user's call does. ``--check on,off`` adds
@@ -79,11 +82,14 @@ from .common import (
 )
 from .hooks import NO_OP, NO_ROOT, REDUCING_OPS, Call, Case, Collective, mpi_datatype
 
-IMPLS = ("mpitrain", "mpi", "gloo", "torch-mpitrain")
-BASELINES = ("mpi", "gloo")
+IMPLS = ("mpitrain", "mpi", "gloo", "torch-mpitrain", "torch-mpi")
+BASELINES = ("mpi", "gloo", "torch-mpi")
 OURS = ("mpitrain", "torch-mpitrain")
-"""The implementations each baseline is compared with (a ``baseline/ours`` ratio column)."""
-OVER_TORCH = {"gloo": "gloo", "torch-mpitrain": "mpitrain"}
+"""The implementations each baseline is compared with (a ``baseline/ours`` ratio column;
+``torch-mpi`` with ``torch-mpitrain`` only: both go through torch.distributed)."""
+COMPARED = {"torch-mpi": ("torch-mpitrain",)}
+"""Baselines compared with some of :data:`OURS` only."""
+OVER_TORCH = {"gloo": "gloo", "torch-mpitrain": "mpitrain", "torch-mpi": "pympi"}
 """The implementations run through torch.distributed, with their group's backend."""
 CHECKS = {"on": True, "off": False}
 OUTPUTS = {"given": False, "alloc": True}
@@ -193,8 +199,9 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast (default 0)")
     p.add_argument("--impl", type=_comma_list, default=["mpitrain", "mpi"],
                    help="comma list of implementations: mpitrain, mpi, gloo, "
-                        "torch-mpitrain (mpitrain's torch.distributed backend); gloo and "
-                        "torch-mpitrain need torch; default mpitrain,mpi")
+                        "torch-mpitrain (mpitrain's torch.distributed backend), torch-mpi "
+                        "(a Python torch.distributed backend calling MPI's own collective); "
+                        "gloo and the torch- ones need torch; default mpitrain,mpi")
     p.add_argument("--check", type=_comma_list, default=["on"],
                    help="comma list of mpitrain's cross-rank validation settings, one set of "
                         "columns each: on, off (default on)")
@@ -378,8 +385,8 @@ _NA = "N/A"
 
 def ratio_pairs(impls: Sequence[Impl]) -> list[tuple[str, str]]:
     """``(baseline label, mpitrain label)`` for each ``baseline/mpitrain`` ratio column."""
-    baselines = [i.label for i in impls if i.kind in BASELINES]
-    return [(b, i.label) for b in baselines for i in impls if i.kind in OURS]
+    return [(b.label, i.label) for b in impls if b.kind in BASELINES for i in impls
+            if i.kind in COMPARED.get(b.kind, OURS)]
 
 
 class Table:
@@ -553,6 +560,9 @@ def header_block(opts: Options, command: str, machine: dict[str, Any],
     if any(i.kind == "torch-mpitrain" for i in opts.impls):
         native += ("; torch-mpitrain = the same torch.distributed calls on a group of "
                    "mpitrain's backend")
+    if any(i.kind == "torch-mpi" for i in opts.impls):
+        native += ("; torch-mpi = the same torch.distributed calls on a Python backend that "
+                   "calls MPI's own collective (benchmarks/torch_mpi.py)")
     lines = [
         f"# mpitrain benchmark: {opts.collective.name}",
         f"# command   : {command}",
@@ -664,9 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(i.kind == "mpitrain" and not i.check for i in opts.impls) else None
     world = MPI.COMM_WORLD.Dup()
     kinds = {i.kind for i in opts.impls}
-    groups = gloo.groups(world, "gloo" in kinds, "torch-mpitrain" in kinds)
-    dists = {kind: gloo.OnGroup(groups[backend]) for kind, backend in OVER_TORCH.items()
-             if backend in groups}
+    groups = gloo.groups(world, "gloo" in kinds, "torch-mpitrain" in kinds,
+                         "torch-mpi" in kinds)
+    dists = {kind: gloo.OnGroup(groups[backend], gloo.wrapper(backend))
+             for kind, backend in OVER_TORCH.items() if backend in groups}
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:

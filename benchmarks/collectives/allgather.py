@@ -18,7 +18,6 @@ from mpi4py import MPI
 
 import mpitrain as mt
 
-from .. import gloo
 from ..hooks import Array, Call, Case, Collective, crafted, mpi_buffer, no_reset, poison
 
 
@@ -74,7 +73,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
 
 def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = np.empty(case.count * case.nranks, case.dtype)
-    source, target = gloo.tensor(data), gloo.tensor(out)
+    source, target = dist.tensor(data), dist.tensor(out)
     if inplace or source is None or target is None:
         return None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

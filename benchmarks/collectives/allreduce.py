@@ -85,7 +85,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
 
 def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = data.copy()
-    tensor = gloo.tensor(out)
+    tensor = dist.tensor(out)
     if tensor is None:
         return None
     op, average = gloo.reduce_op(case.op), case.op == "avg"

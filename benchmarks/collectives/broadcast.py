@@ -16,7 +16,6 @@ from mpi4py import MPI
 
 import mpitrain as mt
 
-from .. import gloo
 from ..hooks import (
     Array,
     Call,
@@ -84,7 +83,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
 
 def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = data.copy() if inplace else np.empty_like(data)
-    tensor = gloo.tensor(out)
+    tensor = dist.tensor(out)
     if tensor is None:
         return None
     return _baseline(lambda root: dist.broadcast(tensor, root), out, case, data, inplace)

@@ -83,7 +83,7 @@ def _mpi(comm: MPI.Intracomm, case: Case, data: Array, inplace: bool) -> Call:
 
 def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     out = np.empty(case.count, case.dtype)
-    source, target = gloo.tensor(data), gloo.tensor(out)
+    source, target = dist.tensor(data), dist.tensor(out)
     if inplace or source is None or target is None:
         return None
     op, average = gloo.reduce_op(case.op), case.op == "avg"

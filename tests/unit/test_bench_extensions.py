@@ -20,13 +20,13 @@ from benchmarks.hooks import Case
 @pytest.fixture(scope="module")
 def comms() -> Any:
     """A validating and a non-validating communicator and a duplicate, over COMM_SELF,
-    and, when torch is installed, torch.distributed on a one-rank gloo group and on a
-    group of mpitrain's backend (the harness's ``dists``)."""
+    and, when torch is installed, torch.distributed on a one-rank gloo group, on a group
+    of mpitrain's backend and on one of the torch-mpi baseline (the harness's ``dists``)."""
     comm = mt.Communicator(MPI.COMM_SELF, check=True)
     unchecked = mt.Communicator(MPI.COMM_SELF, check=False)
     world = MPI.COMM_SELF.Dup()
-    groups = gloo.groups(world, True, True) if gloo.available() else {}
-    dists = {kind: gloo.OnGroup(groups[backend])
+    groups = gloo.groups(world, True, True, True) if gloo.available() else {}
+    dists = {kind: gloo.OnGroup(groups[backend], gloo.wrapper(backend))
              for kind, backend in harness.OVER_TORCH.items() if backend in groups}
     yield comm, unchecked, world, dists
     if groups:
@@ -40,15 +40,17 @@ def comms() -> Any:
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_every_baseline_and_check_column_verifies(comms: Any, name: str, dtype: str) -> None:
     comm, unchecked, world, dists = comms
-    impls = "mpitrain,mpi,gloo,torch-mpitrain" if dists else "mpitrain,mpi"
+    impls = "mpitrain,mpi,gloo,torch-mpitrain,torch-mpi" if dists else "mpitrain,mpi"
     opts = harness.parse_args([name, "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-d", dtype,
                                "-o", "avg", "--impl", impls, "--check", "on,off"], nranks=1)
     case = Case(16, opts.dtype, opts.op, opts.root, 0, 1)
     results = harness.measure(opts, case, comm, world, unchecked, dists)
     labels = {r.impl for r in results}
     assert {"mpitrain", "mpitrain[nocheck]", "mpi"} <= labels
-    if dists and dtype != "uint32":  # torch wraps no wide unsigned numpy array
+    if dists and dtype != "uint32":  # gloo reduces no wide unsigned type
         assert {"gloo", "torch-mpitrain"} <= labels
+    if dists:  # MPI has no 16-bit float type
+        assert ("torch-mpi" in labels) == (dtype != "bfloat16"), labels
     assert all(r.wrong == 0 for r in results), results
     assert all(r.extra_mib >= 0 or r.extra_mib == memory.UNKNOWN for r in results)
 
@@ -56,8 +58,9 @@ def test_every_baseline_and_check_column_verifies(comms: Any, name: str, dtype: 
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_the_torch_mpitrain_column_calls_torch_on_mpitrain_backend(
         comms: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch-mpitrain`` makes the gloo column's torch.distributed call, on a group of
-    mpitrain's backend; its result is verified like every column's."""
+    """``torch-mpitrain`` and ``torch-mpi`` make the gloo column's torch.distributed
+    call, on a group of mpitrain's backend and of the baseline's; their results are
+    verified like every column's."""
     comm, unchecked, world, dists = comms
     if not dists:
         pytest.skip("needs torch")
@@ -76,13 +79,15 @@ def test_the_torch_mpitrain_column_calls_torch_on_mpitrain_backend(
 
         monkeypatch.setattr(dist, function, spy)
     opts = harness.parse_args([name, "-b", "64", "-e", "64", "-n", "2", "-w", "1",
-                               "--impl", "gloo,torch-mpitrain"], nranks=1)
+                               "--impl", "gloo,torch-mpitrain,torch-mpi"], nranks=1)
     case = Case(16, opts.dtype, opts.op, opts.root, 0, 1)
     results = harness.measure(opts, case, comm, world, unchecked, dists)
-    assert {r.impl for r in results} == {"gloo", "torch-mpitrain"}
+    assert {r.impl for r in results} == {"gloo", "torch-mpitrain", "torch-mpi"}
     assert all(r.wrong == 0 for r in results), results
-    assert set(seen) == {"gloo", "mpitrain"}
-    assert harness.ratio_pairs(opts.impls) == [("gloo", "torch-mpitrain")]
+    assert set(seen) == {"gloo", "mpitrain", "pympi"}
+    # torch-mpi is compared with torch-mpitrain only
+    assert harness.ratio_pairs(opts.impls) == [("gloo", "torch-mpitrain"),
+                                               ("torch-mpi", "torch-mpitrain")]
 
 
 def test_torch_columns_refuse_device_buffers() -> None:
