@@ -81,12 +81,12 @@ class OnGroup:
     raises ``AttributeError``, as the module does. ``tensor(arr)`` wraps a buffer for
     the group's backend (``None`` where it does not take its dtype)."""
 
-    def __init__(self, group: Any, wrap: Callable[[Array], Any] | None = None) -> None:
+    def __init__(self, group: Any) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
-        self._wrap = wrap or tensor
+        self._wrap = wrapper(dist.get_backend(group))
 
     def tensor(self, arr: Array) -> Any:
         """A torch tensor sharing ``arr``'s memory for this group's backend, or ``None``."""

@@ -676,8 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = {i.kind for i in opts.impls}
     groups = gloo.groups(world, "gloo" in kinds, "torch-mpitrain" in kinds,
                          "torch-mpi" in kinds)
-    dists = {kind: gloo.OnGroup(groups[backend], gloo.wrapper(backend))
-             for kind, backend in OVER_TORCH.items() if backend in groups}
+    dists = {kind: gloo.OnGroup(groups[backend]) for kind, backend in OVER_TORCH.items()
+             if backend in groups}
 
     def emit(lines: Sequence[str]) -> None:
         if rank == 0:

@@ -26,7 +26,7 @@ def comms() -> Any:
     unchecked = mt.Communicator(MPI.COMM_SELF, check=False)
     world = MPI.COMM_SELF.Dup()
     groups = gloo.groups(world, True, True, True) if gloo.available() else {}
-    dists = {kind: gloo.OnGroup(groups[backend], gloo.wrapper(backend))
+    dists = {kind: gloo.OnGroup(groups[backend])
              for kind, backend in harness.OVER_TORCH.items() if backend in groups}
     yield comm, unchecked, world, dists
     if groups:
