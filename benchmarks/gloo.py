@@ -1,15 +1,16 @@
 """torch.distributed in the benchmarks: its gloo backend side by side with mpitrain and
-MPI, and mpitrain's own backend (``mpitrain.torch.distributed``) reached the way
-torch.distributed users reach it.
+MPI, mpitrain's own backend (``mpitrain.torch.distributed``) reached the way
+torch.distributed users reach it, and the :mod:`.torch_mpi` baseline.
 
 Only used when torch is installed (``pip install torch==2.13.0``, the CPU wheel).
 :func:`init` starts a gloo process group over the ranks of the MPI job (rank 0 picks a
-free TCP port and broadcasts it), :func:`groups` the groups a run needs (gloo's, and/or
-one of mpitrain's backend), :class:`OnGroup` binds torch.distributed's calls to one of
-them, :func:`tensor` wraps a numpy buffer without a copy, and :func:`reduce_op` maps the
-harness's op names. gloo reduces neither unsigned types wider than 8 bits nor
-Min/Max of complex numbers, and the tensor wrapping takes neither: those columns print
-``N/A``.
+free TCP port and broadcasts it), :func:`groups` the groups a run needs (gloo's, one of
+mpitrain's backend, one of the baseline's), :class:`OnGroup` binds torch.distributed's
+calls to one of them, :func:`tensor` wraps a numpy buffer without a copy, and
+:func:`reduce_op` maps the harness's op names. gloo reduces no unsigned type wider
+than 8 bits (the tensor wrapping takes none), and torch.distributed no product,
+minimum or maximum of complex numbers (:func:`reduce_op`): those columns print
+``N/A``. The ``torch-mpi`` column's group wraps buffers by its own rule (:func:`wrapper`).
 """
 
 from __future__ import annotations
@@ -125,9 +126,15 @@ def wrapper(backend: str) -> Callable[[Array], Any]:
     return tensor
 
 
-def reduce_op(op: str) -> Any:
-    """gloo's reduction for the harness's ``op`` (``avg`` reduces as ``sum``)."""
+def reduce_op(op: str, dtype: np.dtype[Any]) -> Any:
+    """torch.distributed's reduction for the harness's ``op`` (``avg`` reduces as
+    ``sum``) on ``dtype``, or ``None`` where torch.distributed refuses it (``PRODUCT``,
+    ``MIN`` and ``MAX`` of complex numbers): that column prints ``N/A``."""
     import torch.distributed as dist
 
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-            "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    reduction = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+                 "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+                 "max": dist.ReduceOp.MAX}[op]
+    if dtype.kind == "c" and not dist.supports_complex(reduction):
+        return None
+    return reduction

@@ -88,7 +88,9 @@ def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     tensor = dist.tensor(out)
     if tensor is None:
         return None
-    op, average = gloo.reduce_op(case.op), case.op == "avg"
+    op, average = gloo.reduce_op(case.op, case.dtype), case.op == "avg"
+    if op is None:
+        return None
 
     def run() -> Array:
         if not inplace:  # torch.distributed reduces in place: out-of-place copies first

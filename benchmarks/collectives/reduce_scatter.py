@@ -86,7 +86,9 @@ def _dist(dist: Any, case: Case, data: Array, inplace: bool) -> Call | None:
     source, target = dist.tensor(data), dist.tensor(out)
     if inplace or source is None or target is None:
         return None
-    op, average = gloo.reduce_op(case.op), case.op == "avg"
+    op, average = gloo.reduce_op(case.op, case.dtype), case.op == "avg"
+    if op is None:
+        return None
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def run() -> Array:

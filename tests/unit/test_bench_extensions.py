@@ -55,6 +55,28 @@ def test_every_baseline_and_check_column_verifies(comms: Any, name: str, dtype: 
     assert all(r.extra_mib >= 0 or r.extra_mib == memory.UNKNOWN for r in results)
 
 
+@pytest.mark.parametrize("op", ["sum", "prod"])
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter"])
+def test_torch_columns_skip_the_complex_reductions_torch_refuses(comms: Any, name: str,
+                                                                 op: str) -> None:
+    """torch.distributed refuses PRODUCT (and MIN, MAX) of complex tensors: its columns
+    print N/A there instead of ending the run; sums of complex numbers still run."""
+    comm, unchecked, world, dists = comms
+    if not dists:
+        pytest.skip("needs torch")
+    opts = harness.parse_args([name, "-b", "64", "-e", "64", "-n", "2", "-w", "1", "-d",
+                               "complex64", "-o", op, "--impl",
+                               "mpitrain,mpi,gloo,torch-mpitrain,torch-mpi"], nranks=1)
+    case = Case(8, opts.dtype, opts.op, opts.root, 0, 1)
+    results = harness.measure(opts, case, comm, world, unchecked, dists)
+    torch_columns = {"gloo", "torch-mpitrain", "torch-mpi"}
+    labels = {r.impl for r in results}
+    assert {"mpitrain", "mpi"} <= labels
+    assert (torch_columns <= labels) == (op == "sum"), labels
+    assert not (torch_columns & labels) or op == "sum", labels
+    assert all(r.wrong == 0 for r in results), results
+
+
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_the_torch_mpitrain_column_calls_torch_on_mpitrain_backend(
         comms: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
