@@ -29,8 +29,10 @@ fused, and run on mpitrain's algorithms. ``async_op=True`` returns a
 :class:`~torch.distributed.Work` whose ``get_future()`` completes on the engine's
 thread; a blocking call waits for it. The bitwise reductions, ``gather``,
 ``scatter``, ``all_to_all`` and ``all_to_all_single`` run MPI's own collectives on the
-group's own duplicate communicator after one exchange of every rank's arguments (so
-that an error on one rank is an error on every rank); point-to-point messages go
+group's own duplicate communicator after a rendezvous named by the call and one
+exchange of every rank's arguments (so that an error on one rank is an error on every
+rank, ranks in different collectives all raise, and a rank that skips one is reported
+by the stall inspector like any other); point-to-point messages go
 through MPI on another duplicate, with torch's tags. Device tensors go to the engine as
 they are (CUDA, through the GPU backend); MPI's own collectives and point-to-point
 messages carry host copies of them.
@@ -39,6 +41,8 @@ messages carry host copies of them.
 its stall timeout (unless ``MPITRAIN_STALL_TIMEOUT_S`` is set): a collective that some
 rank never calls raises :class:`~mpitrain.StallError` after it on the ranks that wait, and
 the stall inspector names the missing ranks from ``MPITRAIN_STALL_WARNING_S`` (60 s) on.
+Waits for point-to-point messages are watched alike (a receive whose message never
+comes raises StallError naming the peer and the tag).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from .. import config
+from ..comm.inspector import StallLimits
+from ..comm.transport import Transport
 from ..communicator import Communicator
 from ..config import Settings
 from ..engine import Handle
@@ -225,6 +231,11 @@ class Work(dist.Work):
         self._pending, self._outputs = pending, outputs
         self._future: torch.futures.Future[list[torch.Tensor]] | None = None
         self._lock = threading.Lock()
+        self._sender = -1  # recv_anysource's sender
+
+    def _source_rank(self) -> int:
+        """The group rank a receive from any source got its message from."""
+        return self._sender
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         """Block until done (the stall timeout bounds the wait); raise its error."""
@@ -293,15 +304,20 @@ def _done(outputs: list[torch.Tensor], finish: Callable[[], Any] | None = None) 
 class _MpiRequests:
     """MPI requests of point-to-point messages, as an engine handle looks to
     :class:`~mpitrain.parallel.pending.Pending` (``wait``, ``test``, a callback when
-    done: on the waiting thread)."""
+    done: on the waiting thread). ``wait`` waits through the group's point-to-point
+    transport, as ``what``: the stall inspector reports a wait past
+    ``MPITRAIN_STALL_WARNING_S``, and one past the group's timeout raises
+    :class:`~mpitrain.StallError`."""
 
-    def __init__(self, requests: list[MPI.Request]) -> None:
-        self.requests = requests
+    def __init__(self, transport: Transport, what: str, requests: list[MPI.Request]) -> None:
+        self.transport, self.what, self.requests = transport, what, requests
         self._done = False
         self._callbacks: list[Callable[[Any], None]] = []
 
     def wait(self) -> None:
-        MPI.Request.Waitall(self.requests)
+        if not self._done:
+            self.transport.begin(self.what)
+            self.transport.waitall(self.requests)
         self._fire()
 
     def test(self) -> bool:
@@ -336,7 +352,11 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         self._name = name
         self.comm = comm
         self.control = comm.mpi_comm.Dup()  # MPI's own collectives, their checks
-        self.p2p = comm.mpi_comm.Dup()  # point-to-point messages, torch's tags
+        settings = comm.settings
+        # point-to-point messages, torch's tags; waits watched like collectives
+        self.p2p = Transport(comm.mpi_comm, StallLimits(
+            settings.stall_warning_s, settings.stall_timeout_s, settings.stall_action),
+            settings.elastic)
 
     def getBackendName(self) -> str:
         """``"mpitrain"``."""
@@ -530,9 +550,10 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     # -- MPI's own collectives ---------------------------------------------------------
     def _agree(self, what: str, prepare: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[Any]]:
         """Every rank's ``prepare`` part, or the error of a rank whose checks failed on
-        every rank (one allgather on the control communicator, watched by nothing but
-        MPI: it follows calls that all ranks make in the same order)."""
-        return agreed(self.control.allgather, self.comm.rank, what, prepare)
+        every rank (:func:`~mpitrain.parallel.refusal.agreed`: a watched rendezvous, then
+        one allgather on the control communicator, where MPI's own collective follows
+        once every rank is known to be in it)."""
+        return agreed(self.comm, self.control.allgather, self.comm.rank, what, prepare)
 
     def _bitwise(self, tensors: list[torch.Tensor], op: Any, what: str,
                  outputs: list[torch.Tensor] | None = None) -> Work:
@@ -680,7 +701,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
         """Send each tensor to group rank ``dst`` (MPI; host copies of device tensors)."""
         data = [_bytes(t) for t in tensors]
-        requests = _MpiRequests([self.p2p.Isend(d, dst, tag) for d in data])
+        comm = self.p2p.comm
+        requests = _MpiRequests(self.p2p, f"send to rank {dst} (tag {tag})",
+                                [comm.Isend(d, dst, tag) for d in data])
 
         def finish() -> list[np.ndarray[Any, Any]]:
             requests.wait()
@@ -690,7 +713,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         """Receive each tensor from group rank ``src``."""
         data = [_bytes(t) for t in tensors]
-        requests = _MpiRequests([self.p2p.Irecv(d, src, tag) for d in data])
+        comm = self.p2p.comm
+        requests = _MpiRequests(self.p2p, f"recv from rank {src} (tag {tag})",
+                                [comm.Irecv(d, src, tag) for d in data])
 
         def finish() -> None:
             requests.wait()
@@ -699,12 +724,33 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return Work(Pending([requests], finish), tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        """Receive each tensor from any rank (one message each; blocking)."""
+        """Receive each tensor from any rank (one message each; blocking): the Work's
+        ``_source_rank()`` is the rank the first came from."""
+        sources = []
         for t in tensors:
+            message, source = self._probe_any(tag)
             data = _bytes(t)
-            self.p2p.Recv(data, MPI.ANY_SOURCE, tag)
+            message.Recv(data)
             _store(t, data)
-        return _done(tensors)
+            sources.append(source)
+        work = _done(tensors)
+        work._sender = sources[0] if sources else -1
+        return work
+
+    def _probe_any(self, tag: int) -> tuple[MPI.Message, int]:
+        """The next message of ``tag`` from any rank, matched (not received yet), and its
+        sender; the wait is watched like a collective's."""
+        p2p, status, found = self.p2p, MPI.Status(), []
+
+        def arrived() -> bool:
+            message = p2p.comm.Improbe(MPI.ANY_SOURCE, tag, status)
+            if message is not None:
+                found.append(message)
+            return message is not None
+
+        p2p.begin(f"recv from any rank (tag {tag})")
+        p2p.block(arrived)
+        return found[0], status.Get_source()
 
 
 def _opt(opts: Any, name: str, default: Any) -> Any:

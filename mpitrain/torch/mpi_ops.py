@@ -268,10 +268,10 @@ def _reduce_op(op: Any, average: bool | None) -> ReduceOp:
 _refusing = refusing
 
 
-def _agreed(exchange: Callable[[Any], list[Any]], what: str,
+def _agreed(comm: Communicator, exchange: Callable[[Any], list[Any]], what: str,
             prepare: Callable[[], tuple[_T, Any]]) -> tuple[_T, list[Any]]:
     """:func:`~mpitrain.parallel.refusal.agreed` with this rank's number."""
-    return agreed(exchange, rank(), what, prepare)
+    return agreed(comm, exchange, rank(), what, prepare)
 
 
 # -- allreduce ------------------------------------------------------------------------
@@ -907,7 +907,8 @@ def _alltoall(tensor: torch.Tensor, splits: Any,
         return (counts, send), (str(tensor.dtype), tuple(tensor.shape[1:]))
 
     # the exchange of dtypes and trailing shapes carries a rank's error in their place
-    (send_counts, send), kinds = _agreed(ctrl.allgather, "alltoall", prepare)
+    (send_counts, send), kinds = _agreed(_comm(process_set), ctrl.allgather, "alltoall",
+                                         prepare)
     trailing = tuple(tensor.shape[1:])
     if any(k != kinds[0] for k in kinds):
         bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
@@ -1015,7 +1016,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         comm.dispatcher.checks.root(root)
         return root, None
 
-    root, _ = _agreed(comm.allgather_object, "broadcast_object", prepare)
+    root, _ = _agreed(comm, comm.allgather_object, "broadcast_object", prepare)
     return comm.broadcast_object(obj, root)
 
 

@@ -220,6 +220,14 @@ def test_point_to_point_and_objects() -> None:
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     check(torch.equal(incoming2, torch.arange(4) + left), "batch_isend_irecv")
+    ok = True
+    if r == n - 1 and n > 1:
+        dist.send(torch.full((2,), 7.0), 0, tag=5)
+    if r == 0 and n > 1:  # from any source: recv names the rank it came from
+        got = torch.empty(2)
+        sender = dist.recv(got, tag=5)
+        ok = sender == n - 1 and torch.equal(got, torch.full((2,), 7.0))
+    check(ok, "recv from any source")
     objects: list[Any] = [None] * n
     dist.all_gather_object(objects, {"rank": r, "text": "x" * r})
     check(objects == [{"rank": s, "text": "x" * s} for s in range(n)], "all_gather_object")
@@ -301,6 +309,87 @@ def test_a_root_without_a_tensor_per_rank_fails_every_rank() -> None:
     t = torch.ones(3)
     dist.all_reduce(t)
     check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_in_different_collectives_raise_on_every_rank() -> None:
+    """gather on the last rank, all_to_all_single on the others: MPI's own collectives
+    begin with a validated rendezvous named by the call, so every rank raises, naming
+    both, instead of entering different MPI collectives; the group goes on working."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    try:
+        if r == n - 1:
+            dist.gather(torch.ones(2), None, dst=0)
+        else:
+            dist.all_to_all_single(torch.zeros(n), torch.ones(n))
+        problem = "no error"
+    except RuntimeError as exc:
+        text = str(exc)
+        problem = "" if f"{n - 1} called gather" in text and "called all_to_all_single" \
+            in text else f"does not name both calls: {text}"
+    check(not problem, problem)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_rank_that_skips_an_mpi_collective_is_a_stall() -> None:
+    """all_to_all on rank 0 alone: the rendezvous before MPI's own collective is watched
+    by the stall inspector, so rank 0 gets StallError naming the ranks that never came
+    at the group's stall timeout (it used to wait in MPI forever)."""
+    from mpi4py import MPI
+
+    from mpitrain.torch.distributed import ProcessGroupMpitrain
+
+    n = dist.get_world_size()
+    comm = mt.Communicator(MPI.COMM_WORLD, settings=mt.Settings.from_environment(
+        stall_timeout_s=1.5, stall_warning_s=0.5))
+    pg = ProcessGroupMpitrain(comm, "skipped")
+    problem = ""
+    try:
+        if comm.rank == 0:
+            try:
+                pg.alltoall([torch.zeros(1) for _ in range(n)], [torch.ones(1)] * n)
+                problem = "no error"
+            except mt.StallError as exc:
+                missing = "rank 1 has" if n == 2 else \
+                    f"ranks {', '.join(str(i) for i in range(1, n))} have"
+                if f"{missing} not called it" not in str(exc):
+                    problem = f"StallError does not name the missing ranks: {exc}"
+    finally:
+        comm.free()  # a stalled communicator frees only what it can
+    check(not problem, problem)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_receive_that_no_rank_sends_is_a_stall() -> None:
+    """recv from a rank that never sends, and from any rank when none sends: StallError
+    at the group's stall timeout naming the receive (it used to wait in MPI forever)."""
+    from mpi4py import MPI
+
+    from mpitrain.torch.distributed import ProcessGroupMpitrain
+
+    comm = mt.Communicator(MPI.COMM_WORLD, settings=mt.Settings.from_environment(
+        stall_timeout_s=1.0, stall_warning_s=0.5))
+    problems = []
+    try:
+        for what, receive in (
+                ("recv from rank 1 (tag 7)", lambda pg: pg.recv([torch.empty(3)], 1, 7).wait()),
+                ("recv from any rank (tag 8)", lambda pg: pg.recv_anysource([torch.empty(3)], 8))):
+            pg = ProcessGroupMpitrain(comm, "unsent")  # (a stall leaves its messages unusable)
+            if comm.rank == 0:
+                try:
+                    receive(pg)
+                    problems.append(f"{what}: no error")
+                except mt.StallError as exc:
+                    if what not in str(exc):
+                        problems.append(f"StallError does not name the {what}: {exc}")
+    finally:
+        comm.free()
+    check(not problems, "; ".join(problems))
 
 
 # -- training -----------------------------------------------------------------------------

@@ -331,3 +331,22 @@ def test_reducescatter_refuses_adasum_for_every_dtype(dtype: Any) -> None:
     with pytest.raises(RuntimeError, match="Adasum is an allreduce only"):
         hvd.reducescatter(torch.ones(4 * hvd.size(), dtype=dtype), op=hvd.Adasum)
     hvd.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_alltoall_beside_another_collective_raises_on_every_rank() -> None:
+    """alltoall on rank 0, broadcast_object on the others: alltoall's exchange begins
+    with a validated rendezvous, so every rank raises naming both calls instead of
+    waiting in MPI."""
+    try:
+        if hvd.rank() == 0:
+            hvd.alltoall(torch.ones(hvd.size()))
+        else:
+            hvd.broadcast_object("x")
+        problem = "no error"
+    except RuntimeError as exc:
+        problem = "" if "rank 0 called alltoall" in str(exc) and "called broadcast_object" \
+            in str(exc) else f"does not name both calls: {exc}"
+    check(not problem, problem)
+    check(torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum),
+                      torch.full((2,), float(hvd.size()))), "usable afterwards")

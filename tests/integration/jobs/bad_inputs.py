@@ -484,6 +484,15 @@ def torch_broadcast_object_bad_root_on_one_rank(ctx: Any, rank: int, size: int) 
     return ctx.hvd().broadcast_object({"step": 1}, root_rank=_on_last(size, 0, rank, size))
 
 
+def torch_alltoall_beside_broadcast_object(ctx: Any, rank: int, size: int) -> Any:
+    import torch
+
+    hvd = ctx.hvd()
+    if last_differs(rank, size):
+        return hvd.broadcast_object({"step": 1})
+    return hvd.alltoall(torch.ones(size, 2))
+
+
 def refused_on_last(error: str, pattern: str) -> Callable[[int, int], tuple[str, str]]:
     """``error`` on the last rank, which refused the call; MismatchError naming it on
     the others."""
@@ -522,6 +531,9 @@ TORCH_REFUSALS = [
     Case("torch_broadcast_object_bad_root_on_one_rank",
          torch_broadcast_object_bad_root_on_one_rank,
          refused_on_last("ArgumentError", r"root=\d+ is not a rank")),
+    Case("torch_alltoall_beside_broadcast_object", torch_alltoall_beside_broadcast_object,
+         mismatch(r"(?=.*rank 0 called alltoall)(?=.*ranks? [0-9, ]*{last} called "
+                  r"broadcast_object)")),
 ]
 """Misuse on one rank that the torch adapter catches before the engine sees the call."""
 
