@@ -99,5 +99,18 @@ def _report(etype: type[BaseException], value: BaseException | None,
              f"exception{where}; {how} (MPITRAIN_ABORT_ON_EXCEPTION=0 turns this off)\n"]
     lines += traceback.format_exception(etype, value, tb)
     text = "".join(lines)
-    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-    sys.stderr.flush()
+    stream = _terminal()
+    stream.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    stream.flush()
+
+
+def _terminal() -> Any:
+    """``sys.stderr``, unless it is not a file (``torch.distributed``'s hook swaps in a
+    ``StringIO`` while it calls the hook it wraps, and writes the text out after: never,
+    when that hook ends the job): then the process's own ``sys.__stderr__``."""
+    stream = sys.stderr
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return sys.__stderr__ if sys.__stderr__ is not None else stream
+    return stream

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +56,16 @@ def test_excepthook_opt_out_and_install(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("MPITRAIN_ABORT_ON_EXCEPTION", "1")
     excepthook.install()
     assert sys.excepthook is not before[0] and threading.excepthook is not before[1]
+
+
+def test_the_excepthook_writes_past_a_captured_stderr(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """torch.distributed's hook swaps ``sys.stderr`` for a StringIO while it calls the
+    hook it wraps, and mpitrain's never returns (it ends the job): the report goes to
+    the process's own stderr then, and to ``sys.stderr`` where that is a file."""
+    captured = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", captured)
+    assert excepthook._terminal() is sys.__stderr__
+    with open(tmp_path / "log", "w") as log:
+        monkeypatch.setattr(sys, "stderr", log)
+        assert excepthook._terminal() is log

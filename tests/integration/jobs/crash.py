@@ -1,11 +1,13 @@
 """A rank that dies of an uncaught exception, or exits, while the others are in collectives.
 
-Usage: crash.py OUT_DIR RANK [thread | exit CODE [async] | os_exit CODE]
+Usage: crash.py OUT_DIR RANK [thread | torch | exit CODE [async] | os_exit CODE]
 
 RANK raises ValueError at step 5 (in a thread of its own with ``thread``; with ``exit``
 it calls ``sys.exit(CODE)`` instead, with ``os_exit`` ``os._exit(CODE)``), after
 writing the time to ``OUT_DIR/raised``;
 every rank reduces every 10 ms meanwhile (through the async engine with ``async``).
+With ``torch`` every rank first makes torch.distributed's default group over mpitrain's
+backend, which wraps ``sys.excepthook`` in a hook of torch's own.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def main() -> None:
     exit_now = os._exit if sys.argv[3:4] == ["os_exit"] else sys.exit
     in_engine = sys.argv[5:6] == ["async"]
     comm = mt.init()
+    if sys.argv[3:4] == ["torch"]:
+        import torch.distributed as dist
+
+        import mpitrain.torch  # noqa: F401  (registers the backend)
+
+        dist.init_process_group("mpitrain")
     x = np.ones(100)
     for step in range(3000):
         if comm.rank == victim and step == 5:
