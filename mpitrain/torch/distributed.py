@@ -345,11 +345,15 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     Args:
         comm: the mpitrain communicator of the group's ranks.
         name: torch's name of the group (``group_id``; DeviceMesh looks groups up by it).
+        owned: the MPI communicator under ``comm`` where it is the group's own (made
+            for it, freed by :meth:`shutdown`); ``None`` for ``COMM_WORLD``.
     """
 
-    def __init__(self, comm: Communicator, name: str) -> None:
+    def __init__(self, comm: Communicator, name: str,
+                 owned: MPI.Intracomm | None = None) -> None:
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]
         self._name = name
+        self._owned, self._freed = owned, False
         self.comm = comm
         self.control = comm.mpi_comm.Dup()  # MPI's own collectives, their checks
         settings = comm.settings
@@ -361,6 +365,20 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def getBackendName(self) -> str:
         """``"mpitrain"``."""
         return BACKEND
+
+    def shutdown(self) -> None:
+        """Release the group's MPI resources (collective over the group; torch calls it
+        from ``destroy_process_group``): the communicator, its async engine's thread
+        and shared memory, the duplicates, and the group's own MPI communicator where
+        :func:`create` made one. Operations every rank submitted finish first."""
+        if self._freed:
+            return
+        self._freed = True
+        self.comm.free()
+        self.p2p.free()
+        self.control.Free()
+        if self._owned is not None:
+            self._owned.Free()
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -805,13 +823,13 @@ def create(options: Any, backend_options: Any = None) -> ProcessGroupMpitrain:
                 f"has this process as rank {options.group_rank} of {options.group_size} and "
                 f"MPI as rank {world.Get_rank()} of {world.Get_size()}; start the script "
                 "with mpirun (or mpitrain-run) and leave rank and world_size to MPI")
-        comm = world
-    else:
-        group = world.Get_group().Incl(ranks)
-        comm = world.Create_group(group)
-        group.Free()
+        return ProcessGroupMpitrain(Communicator(world, settings=_settings(options.timeout)),
+                                    str(options.group_id))
+    group = world.Get_group().Incl(ranks)
+    comm = world.Create_group(group)
+    group.Free()
     return ProcessGroupMpitrain(Communicator(comm, settings=_settings(options.timeout)),
-                                str(options.group_id))
+                                str(options.group_id), owned=comm)
 
 
 _registered = False

@@ -263,6 +263,25 @@ def test_groups_and_device_meshes() -> None:
         check(torch.equal(t, torch.full((1,), float(sum(pair)))), "2-d mesh, tp")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_destroying_a_group_releases_it() -> None:
+    """destroy_process_group(group) stops the group's engine thread and frees its
+    communicators (torch calls the backend's shutdown): groups made and destroyed in a
+    loop leave no threads behind, and each works while it lives."""
+    import threading
+
+    n = dist.get_world_size()
+    before = threading.active_count()
+    for round in range(3):
+        group = dist.new_group(list(range(n)))
+        t = torch.full((2,), float(round))
+        dist.all_reduce(t, group=group)  # starts the group's engine (its thread)
+        check(torch.equal(t, torch.full((2,), float(round * n))), f"round {round}")
+        dist.destroy_process_group(group)
+    after = threading.active_count()
+    check(after == before, f"{after - before} threads left behind by 3 destroyed groups")
+
+
 # -- misuse ------------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 def test_disagreeing_ranks_raise_on_every_rank() -> None:
