@@ -53,6 +53,7 @@ import importlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
@@ -238,7 +239,15 @@ class Work(dist.Work):
         return self._sender
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        """Block until done (the stall timeout bounds the wait); raise its error."""
+        """Block until done (the stall timeout bounds the wait); raise its error.
+
+        With a ``timeout`` (torch's default, 0, is none), raise
+        ``torch.distributed.DistBackendError`` if the operation has not finished by
+        then; it stays in flight, and a later ``wait()`` finishes it.
+        """
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if seconds > 0:
+            _until_done(self._pending, seconds)
         self._pending.wait()
         return True
 
@@ -286,6 +295,20 @@ class Work(dist.Work):
 
         self._pending.add_done_callback(done)
         return future
+
+
+def _until_done(pending: Pending, seconds: float) -> None:
+    """Return once ``pending`` is done; raise DistBackendError after ``seconds``."""
+    deadline, pause = time.monotonic() + seconds, 1e-5
+    while not pending.done():
+        if time.monotonic() >= deadline:
+            raise dist.DistBackendError(
+                f"rank {MPI.COMM_WORLD.Get_rank()}: the operation did not finish within "
+                f"Work.wait's timeout of {seconds:g} s; it is still in flight: wait() "
+                "again to finish it (the group's timeout ends it if a rank never takes "
+                "part)")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 def _together(works: list[Work], outputs: list[torch.Tensor]) -> Work:

@@ -237,6 +237,29 @@ def test_point_to_point_and_objects() -> None:
     dist.barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_wait_with_a_timeout_leaves_the_operation_in_flight() -> None:
+    """Work.wait(timeout) on a receive whose message has not been sent raises
+    DistBackendError after the timeout; once the message is sent, wait() finishes the
+    same receive with its data."""
+    r = dist.get_rank()
+    got = torch.zeros(3)
+    problem = ""
+    if r == 0:
+        work = dist.irecv(got, src=1, tag=11)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.2))
+            problem = "no error at the timeout"
+        except dist.DistBackendError as exc:
+            problem = "" if "timeout of 0.2 s" in str(exc) else f"unexpected message: {exc}"
+    check(not problem, problem)  # rank 1 sends only after rank 0's wait timed out
+    if r == 1:
+        dist.send(torch.full((3,), 5.0), 0, tag=11)
+    if r == 0:
+        work.wait()
+    check(r != 0 or torch.equal(got, torch.full((3,), 5.0)), f"received {got}")
+
+
 # -- groups -------------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 def test_groups_and_device_meshes() -> None:
