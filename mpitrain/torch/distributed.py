@@ -339,8 +339,11 @@ class _MpiRequests:
 
     def wait(self) -> None:
         if not self._done:
+            requests = self.requests
             self.transport.begin(self.what)
-            self.transport.waitall(self.requests)
+            # tests between yields, as MPI's own wait polls: no sleep, so a pipeline
+            # stage that waits long for its neighbour wakes the moment data arrives
+            self.transport.block(lambda: MPI.Request.Testall(requests))
         self._fire()
 
     def test(self) -> bool:
