@@ -732,7 +732,13 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     def _alltoallv(self, send: np.ndarray[Any, Any], send_bytes: list[int],
                    output: torch.Tensor, recv_bytes: list[int]) -> None:
-        received = np.empty(sum(recv_bytes), np.uint8)
+        """MPI's alltoallv of the bytes, received straight into ``output`` where it is a
+        contiguous CPU tensor of exactly the bytes that arrive (else through a copy,
+        whose size :func:`_store` checks)."""
+        total = sum(recv_bytes)
+        direct = (output.device.type == "cpu" and output.is_contiguous()
+                  and output.numel() * output.element_size() == total)
+        received = _bytes(output) if direct else np.empty(total, np.uint8)
         self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
         _store(output, received)
 
