@@ -189,6 +189,19 @@ def _bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return host.reshape(-1).view(torch.uint8).numpy()
 
 
+def _receiving(t: torch.Tensor, nbytes: int,
+               sending: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
+    """Where MPI should write ``nbytes`` bytes meant for ``t``: ``t``'s own memory where
+    it is a contiguous CPU tensor of exactly that size that does not overlap the bytes
+    ``sending`` (MPI forbids aliased buffers; then :func:`_store` has nothing to do), else
+    a new array that :func:`_store` copies in (and checks the size of)."""
+    if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() == nbytes:
+        own = _bytes(t)
+        if sending is None or not np.may_share_memory(own, sending):
+            return own
+    return np.empty(nbytes, np.uint8)
+
+
 def _store(t: torch.Tensor, data: np.ndarray[Any, Any]) -> None:
     """Put bytes ``data`` into ``t`` (nothing to do where ``data`` is ``t``'s own memory,
     from :func:`_bytes`)."""
@@ -662,7 +675,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         if parts[root][2] != counts:
             raise MismatchError(f"rank {comm.rank}: scatter's root (rank {root}) has input "
                                 f"tensors of {parts[root][2]} bytes for outputs of {counts}")
-        mine = np.empty(counts[comm.rank], np.uint8)
+        mine = _receiving(outputs[0], counts[comm.rank])
         send = [np.concatenate(pieces), counts] if pieces is not None else None
         self.control.Scatterv(send, mine, root=root)
         _store(outputs[0], mine)
@@ -732,13 +745,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     def _alltoallv(self, send: np.ndarray[Any, Any], send_bytes: list[int],
                    output: torch.Tensor, recv_bytes: list[int]) -> None:
-        """MPI's alltoallv of the bytes, received straight into ``output`` where it is a
-        contiguous CPU tensor of exactly the bytes that arrive (else through a copy,
-        whose size :func:`_store` checks)."""
-        total = sum(recv_bytes)
-        direct = (output.device.type == "cpu" and output.is_contiguous()
-                  and output.numel() * output.element_size() == total)
-        received = _bytes(output) if direct else np.empty(total, np.uint8)
+        """MPI's alltoallv of the bytes into ``output`` (:func:`_receiving`)."""
+        received = _receiving(output, sum(recv_bytes), send)
         self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
         _store(output, received)
 

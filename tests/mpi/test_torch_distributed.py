@@ -202,6 +202,10 @@ def test_gather_scatter_all_to_all_and_uneven_splits() -> None:
     dist.all_to_all_single(output, source, receives, sends)
     want = torch.cat([torch.full((k, 3), float(100 * s + r)) for s, k in enumerate(receives)])
     check(torch.equal(output, want), "all_to_all_single, uneven splits")
+    same = torch.arange(n * 3, dtype=torch.float32) + 100 * r  # output is the input
+    dist.all_to_all_single(same, same)
+    want = torch.cat([torch.arange(3, dtype=torch.float32) + 3 * r + 100 * s for s in range(n)])
+    check(torch.equal(same, want), f"all_to_all_single into its own input: {same}")
 
 
 @pytest.mark.mpi(min_size=1)
