@@ -245,7 +245,7 @@ def test_point_to_point_and_objects() -> None:
 def test_wait_with_a_timeout_leaves_the_operation_in_flight() -> None:
     """Work.wait(timeout) on a receive whose message has not been sent raises
     DistBackendError after the timeout; once the message is sent, wait() finishes the
-    same receive with its data."""
+    same receive with its data. The same for an all_reduce the other ranks join late."""
     r = dist.get_rank()
     got = torch.zeros(3)
     problem = ""
@@ -262,6 +262,21 @@ def test_wait_with_a_timeout_leaves_the_operation_in_flight() -> None:
     if r == 0:
         work.wait()
     check(r != 0 or torch.equal(got, torch.full((3,), 5.0)), f"received {got}")
+    total = torch.ones(2)  # the same for a collective that the other ranks join late
+    dist.all_reduce(torch.ones(1))  # (the group's engine starts in a collective of its own)
+    if r == 0:
+        work = dist.all_reduce(total, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.2))
+            problem = "all_reduce: no error at the timeout"
+        except dist.DistBackendError:
+            problem = ""
+    check(not problem, problem)
+    if r == 0:
+        work.wait()
+    else:
+        dist.all_reduce(total)
+    check(torch.equal(total, torch.full((2,), float(dist.get_world_size()))), f"{total}")
 
 
 # -- groups -------------------------------------------------------------------------------
