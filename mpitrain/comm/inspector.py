@@ -77,6 +77,11 @@ class StallLimits:
     action: str
 
     @classmethod
+    def of(cls, settings: config.Settings) -> StallLimits:
+        """The limits of a communicator's ``settings``."""
+        return cls(settings.stall_warning_s, settings.stall_timeout_s, settings.stall_action)
+
+    @classmethod
     def from_config(cls) -> StallLimits:
         """``MPITRAIN_STALL_WARNING_S``, ``MPITRAIN_STALL_TIMEOUT_S``, ``MPITRAIN_STALL_ACTION``."""
         return cls(config.STALL_WARNING_S.get(), config.STALL_TIMEOUT_S.get(),

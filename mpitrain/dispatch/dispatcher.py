@@ -141,8 +141,7 @@ class Dispatcher:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise ArgumentError(f"mpitrain.Communicator needs an MPI intracommunicator, got "
                                 f"{comm!r}")
-        stall = StallLimits(settings.stall_warning_s, settings.stall_timeout_s,
-                            settings.stall_action)
+        stall = StallLimits.of(settings)
         self.transport = Transport(comm, stall, settings.elastic)
         self.mpi_comm: MPI.Intracomm = self.transport.comm
         self.rank, self.size = self.transport.rank, self.transport.size

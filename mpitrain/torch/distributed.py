@@ -397,9 +397,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         self.control = comm.mpi_comm.Dup()  # MPI's own collectives, their checks
         settings = comm.settings
         # point-to-point messages, torch's tags; waits watched like collectives
-        self.p2p = Transport(comm.mpi_comm, StallLimits(
-            settings.stall_warning_s, settings.stall_timeout_s, settings.stall_action),
-            settings.elastic)
+        self.p2p = Transport(comm.mpi_comm, StallLimits.of(settings), settings.elastic)
 
     def getBackendName(self) -> str:
         """``"mpitrain"``."""
