@@ -7,7 +7,9 @@ for each transport's :class:`Inspector`:
 
 * *serves*: answers the queries of other ranks, which arrive on the inspector's own
   duplicate of the communicator (so they never match collective traffic), with this
-  rank's ``(seq, waiting, current)``;
+  rank's ``(seq, waiting, current)``, and with what this process waits in elsewhere
+  (another transport, of this communicator or of another one): a rank that has not
+  called a collective is often waiting in a different one, and the report says which;
 * *watches*: when the transport has been waiting in the same collective for
   ``MPITRAIN_STALL_WARNING_S``, it *surveys* every other rank and logs a warning that
   names the collective and the ranks whose ``seq`` is smaller, i.e. that have not
@@ -64,7 +66,9 @@ TICK_S = 0.02
 SURVEY_S = 2.0
 """How long a survey waits for the other ranks' replies."""
 QUERY_TAG, REPLY_TAG = 1, 2
-_REPLY = struct.Struct("<qqq104s")  # query id, seq, waiting, collective name
+_NAME_BYTES, _ELSEWHERE_BYTES = 104, 256
+_REPLY = struct.Struct(f"<qqq{_NAME_BYTES}s{_ELSEWHERE_BYTES}s")
+"""Query id, seq, waiting, collective name, the waits in progress on other transports."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +94,25 @@ class StallLimits:
 
 @dataclass(frozen=True)
 class PeerState:
-    """What one rank answered to a survey (``seq`` is None if it did not answer)."""
+    """What one rank answered to a survey (``seq`` is None if it did not answer).
+
+    ``elsewhere`` names the collectives that rank's process waits in on its other
+    transports (empty if none): where a rank that has not called a collective is.
+    """
 
     rank: int
     seq: int | None
     waiting: bool = False
     collective: str = ""
+    elsewhere: str = ""
+
+    def where(self) -> str:
+        """``rank 1 is at #4 barrier; it waits in allreduce elsewhere``."""
+        text = (f"rank {self.rank} is at #{self.seq} {self.collective or '(none)'}"
+                f"{' (waiting)' if self.waiting else ''}")
+        if self.elsewhere:
+            text += f"; it waits in {self.elsewhere}"
+        return text
 
 
 def describe(rank: int, collective: str, seq: int, waited: float,
@@ -113,8 +130,7 @@ def describe(rank: int, collective: str, seq: int, waited: float,
     silent = [p.rank for p in peers if p.seq is None]
     parts = []
     if late:
-        where = "; ".join(f"rank {p.rank} is at #{p.seq} {p.collective or '(none)'}"
-                          f"{' (waiting)' if p.waiting else ''}" for p in late)
+        where = "; ".join(p.where() for p in late)
         parts.append(f"{_ranks([p.rank for p in late])} not called it ({where})")
     if other:
         parts.append("; ".join(f"rank {p.rank} called {p.collective} as #{seq} instead"
@@ -258,7 +274,8 @@ class Inspector:
         t = self.transport
         while self._query_req.Test(self._status):
             reply = _REPLY.pack(int(self._query[0]), t.seq, int(t.waiting),
-                                t.current.encode()[:104])
+                                t.current.encode()[:_NAME_BYTES],
+                                _SERVER.waits_besides(t).encode()[:_ELSEWHERE_BYTES])
             self._sends.append(self.comm.Isend(reply, self._status.Get_source(), REPLY_TAG))
             self._query_req = self.comm.Irecv(self._query, MPI.ANY_SOURCE, QUERY_TAG)
         self._sends = [r for r in self._sends if not r.Test()]
@@ -305,10 +322,10 @@ class Inspector:
         for peer, req in self._reply_reqs.items():
             if req is not None and req.Test():
                 self._reply_reqs[peer] = None
-                qid, seq, waiting, name = _REPLY.unpack(self._reply_bufs[peer])
+                qid, seq, waiting, name, elsewhere = _REPLY.unpack(self._reply_bufs[peer])
                 if qid == survey.qid:
-                    survey.replies[peer] = PeerState(peer, seq, bool(waiting),
-                                                     name.rstrip(b"\0").decode(errors="replace"))
+                    survey.replies[peer] = PeerState(peer, seq, bool(waiting), _text(name),
+                                                     _text(elsewhere))
         for peer in self.peers:
             if peer not in survey.replies and self._reply_reqs[peer] is None:
                 self._reply_reqs[peer] = self.comm.Irecv(self._reply_bufs[peer], peer,
@@ -319,12 +336,15 @@ class Inspector:
             survey.done.set()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("mpitrain rank %d: stall survey %d: %s", self.rank, survey.qid,
-                          "; ".join(f"rank {p.rank} " + (
-                              "did not answer" if p.seq is None else
-                              f"at #{p.seq} {p.collective or '(none)'}"
-                              f"{' (waiting)' if p.waiting else ''}") for p in survey.result))
+                          "; ".join(f"rank {p.rank} did not answer" if p.seq is None
+                                    else p.where() for p in survey.result))
             if survey.on_done is not None:
                 survey.on_done(survey.result)
+
+
+def _text(field: bytes) -> str:
+    """A string field of a reply (NUL-padded UTF-8, possibly cut mid-character)."""
+    return field.rstrip(b"\0").decode(errors="replace")
 
 
 def warn(report: str) -> None:
@@ -366,6 +386,12 @@ class _Server:
                 self.thread = threading.Thread(target=self._run, name="mpitrain-inspector",
                                                daemon=True)
                 self.thread.start()
+
+    def waits_besides(self, transport: Watched) -> str:
+        """What this process waits in on transports other than ``transport`` (called on
+        the daemon's tick, with the lock held): ``allreduce and barrier``, or ``""``."""
+        return " and ".join(t.what() for t in (i.transport for i in self.inspectors)
+                            if t is not transport and t.waiting)
 
     def remove(self, inspector: Inspector) -> None:
         """Stop serving ``inspector`` (waits for a tick in progress)."""

@@ -507,7 +507,8 @@ class Negotiator:
 
     def waiting_on(self) -> str:
         """What this rank's pending exchange carries (the stall inspector adds it to its
-        reports): the names this rank has submitted that have not run yet."""
+        reports): the names this rank has submitted that have not run yet. It names the
+        rank, as other ranks' reports quote it too."""
         if self.transport is None or self.transport.current != EXCHANGE:
             return ""  # a collective of a bucket
         try:
@@ -517,6 +518,6 @@ class Negotiator:
             return ""
         if not names:
             if self.rank in self._joined:
-                return " (this rank is in join(): it waits for the other ranks to join)"
-            return " (this rank has no operation pending: it is stopping)"
-        return " (this rank has submitted " + shown([repr(n) for n in names], ", ") + ")"
+                return f" (rank {self.rank} is in join(): it waits for the other ranks to join)"
+            return f" (rank {self.rank} has no operation pending: it is stopping)"
+        return f" (rank {self.rank} has submitted " + shown([repr(n) for n in names], ", ") + ")"

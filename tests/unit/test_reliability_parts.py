@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpitrain import config, excepthook
+from mpitrain.comm import inspector
 from mpitrain.comm.inspector import PeerState, describe
 
 
@@ -28,6 +29,23 @@ def test_stall_report_names_late_other_and_silent_ranks() -> None:
     assert "every rank has called it" in describe(0, "allreduce", 3, 1.0,
                                                   [PeerState(1, 3, True, "allreduce")])
     assert "unknown (why)" in describe(0, "allreduce", 3, 1.0, None, "why")
+
+
+def test_stall_report_says_where_a_late_rank_waits_elsewhere() -> None:
+    peers = [PeerState(1, 4, False, "barrier", "the async engine's exchange and recv")]
+    report = describe(0, "allreduce", 5, 2.0, peers)
+    assert "rank 1 has not called it (rank 1 is at #4 barrier; it waits in the async " \
+           "engine's exchange and recv)" in report
+
+
+def test_a_reply_carries_long_and_non_ascii_names_cut_to_its_fields() -> None:
+    name, elsewhere = "é" * 200, "w" * 300 + "é"
+    packed = inspector._REPLY.pack(7, 3, 1, name.encode()[:inspector._NAME_BYTES],
+                                   elsewhere.encode()[:inspector._ELSEWHERE_BYTES])
+    qid, seq, waiting, got_name, got_elsewhere = inspector._REPLY.unpack(packed)
+    assert (qid, seq, waiting) == (7, 3, 1)
+    assert inspector._text(got_name) == "é" * (inspector._NAME_BYTES // 2)
+    assert inspector._text(got_elsewhere) == "w" * inspector._ELSEWHERE_BYTES
 
 
 def test_stall_settings(monkeypatch: pytest.MonkeyPatch) -> None:
