@@ -118,8 +118,9 @@ class Transport:
         self.inspector = Inspector(self, stall)
         self.interruptible = self.inspector.raises
         self.elastic = elastic
-        # Under ULFM a failed request's own error, not MPI_ERR_IN_STATUS (see .p2p).
-        self._testall: Callable[[list[Request]], bool] = \
+        # testall(requests): True once all are done; under ULFM a failed request raises
+        # its own error, not MPI_ERR_IN_STATUS (see .p2p).
+        self.testall: Callable[[list[Request]], bool] = \
             p2p.testall if elastic else MPI.Request.Testall
         self._waitall: Callable[[list[Request]], Any] = \
             p2p.waitall if elastic else MPI.Request.Waitall
@@ -187,7 +188,7 @@ class Transport:
         self.waiting = True
         try:
             if self.interruptible:
-                self.poll(lambda: self._testall(live))
+                self.poll(lambda: self.testall(live))
             else:
                 self._waitall(live)
         finally:

@@ -356,11 +356,11 @@ class _MpiRequests:
             self.transport.begin(self.what)
             # tests between yields, as MPI's own wait polls: no sleep, so a pipeline
             # stage that waits long for its neighbour wakes the moment data arrives
-            self.transport.block(lambda: MPI.Request.Testall(requests))
+            self.transport.block(lambda: self.transport.testall(requests))
         self._fire()
 
     def test(self) -> bool:
-        if not self._done and MPI.Request.Testall(self.requests):
+        if not self._done and self.transport.testall(self.requests):
             self._fire()
         return self._done
 
