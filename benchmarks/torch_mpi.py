@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from mpitrain.torch.distributed import group_communicator
+
 BACKEND = "pympi"
 """The backend's name in torch (``"mpi"`` is torch's own, absent from its wheels)."""
 _OPS = ((dist.ReduceOp.SUM, MPI.SUM), (dist.ReduceOp.PRODUCT, MPI.PROD),
@@ -76,9 +78,18 @@ class Done(dist.Work):
 class ProcessGroupMpi(dist.ProcessGroup):
     """MPI's own collectives behind torch.distributed's calls, on a Dup of ``comm``."""
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, owned: bool = False) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
         self.comm = comm.Dup()
+        self._owned: MPI.Intracomm | None = comm if owned else None
+
+    def shutdown(self) -> None:
+        """Free the duplicate, and the group's own communicator (``destroy_process_group``)."""
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+        if self._owned is not None:
+            self._owned.Free()
+            self._owned = None
 
     def getBackendName(self) -> str:
         """``"pympi"``."""
@@ -120,15 +131,9 @@ class ProcessGroupMpi(dist.ProcessGroup):
 
 
 def _create(options: Any, backend_options: Any = None) -> ProcessGroupMpi:
-    """torch's creator of the backend: a group over MPI.COMM_WORLD or the listed ranks."""
-    world = MPI.COMM_WORLD
-    ranks = list(options.global_ranks_in_group)
-    if not ranks:
-        return ProcessGroupMpi(world)
-    group = world.Get_group().Incl(ranks)
-    comm = world.Create_group(group)
-    group.Free()
-    return ProcessGroupMpi(comm)
+    """torch's creator of the backend: a group over the communicator that mpitrain's
+    backend would use."""
+    return ProcessGroupMpi(*group_communicator(options))
 
 
 def register() -> None:

@@ -852,6 +852,16 @@ def create(options: Any, backend_options: Any = None) -> ProcessGroupMpitrain:
     """torch's creator of the backend (``register_backend(..., extended_api=True)``): a
     group over ``MPI.COMM_WORLD`` for the default group, over the ranks of
     ``global_ranks_in_group`` for the others (collective over the group's ranks)."""
+    comm, owned = group_communicator(options)
+    return ProcessGroupMpitrain(Communicator(comm, settings=_settings(options.timeout)),
+                                str(options.group_id), owned=comm if owned else None)
+
+
+def group_communicator(options: Any) -> tuple[MPI.Intracomm, bool]:
+    """The MPI communicator of the group that torch's backend ``options`` describe, and
+    whether it is a new one (which the group frees): ``MPI.COMM_WORLD`` for the default
+    group, whose rank and size must be MPI's, else one made over the group's
+    ``global_ranks_in_group`` (collective over them)."""
     world = MPI.COMM_WORLD
     ranks = list(options.global_ranks_in_group)
     if not ranks:
@@ -861,13 +871,11 @@ def create(options: Any, backend_options: Any = None) -> ProcessGroupMpitrain:
                 f"has this process as rank {options.group_rank} of {options.group_size} and "
                 f"MPI as rank {world.Get_rank()} of {world.Get_size()}; start the script "
                 "with mpirun (or mpitrain-run) and leave rank and world_size to MPI")
-        return ProcessGroupMpitrain(Communicator(world, settings=_settings(options.timeout)),
-                                    str(options.group_id))
+        return world, False
     group = world.Get_group().Incl(ranks)
     comm = world.Create_group(group)
     group.Free()
-    return ProcessGroupMpitrain(Communicator(comm, settings=_settings(options.timeout)),
-                                str(options.group_id), owned=comm)
+    return comm, True
 
 
 _registered = False
