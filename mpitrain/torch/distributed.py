@@ -73,6 +73,7 @@ from ..errors import ArgumentError, DtypeError, MismatchError, UnsupportedError
 from ..ops import ReduceOp
 from ..parallel.pending import Pending
 from ..parallel.refusal import agreed, refusing
+from .eager import eager_methods
 from .tensors import as_buffer, from_buffer, producer_stream
 
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
@@ -229,6 +230,7 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
 
 
 # -- work ---------------------------------------------------------------------------------
+@eager_methods
 class Work(dist.Work):
     """A collective in flight: ``wait()`` (raises the operation's error),
     ``is_completed()``, ``get_future()`` (its value: the output tensors; it completes on
@@ -378,6 +380,7 @@ class _MpiRequests:
 
 
 # -- the process group --------------------------------------------------------------------
+@eager_methods
 class ProcessGroupMpitrain(dist.ProcessGroup):
     """A torch process group whose collectives run on mpitrain.
 

@@ -29,6 +29,7 @@ from ..parallel.compression import Compression
 from ..parallel.pending import HandleTable, Pending
 from ..parallel.refusal import agreed, refusing
 from . import process_sets as _sets
+from .eager import eager_functions
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sparse import prepare_sparse_allreduce, sparse_part_names, start_sparse_allreduce
 from .tensors import (
@@ -1043,3 +1044,5 @@ __all__ = [
     "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline",
     "synchronize",
 ]
+# torch.compile breaks its graph at each of them instead of tracing into mpitrain (.eager).
+eager_functions(globals(), __all__)

@@ -34,6 +34,7 @@ from ..parallel.broadcast import broadcast_arrays, broadcast_tree
 from ..parallel.compression import Compression
 from ..parallel.reducer import DistributedOptimizerBase, GradientReducer, Reduction, Submitted
 from .checkpoint import TENSORS
+from .eager import eager
 from .process_sets import ProcessSet, communicator, global_process_set, set_rank
 from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
 from .tensors import as_buffer, host_copy, producer_stream, to_device_of
@@ -299,12 +300,23 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         With Adasum: step the parameters not stepped yet, wait for the combined deltas
         and apply them (``closure`` is called first)."""
         if self._adasum:
-            loss = closure() if closure is not None else None
-            self.reducer.synchronize()
-            return loss
-        self._before_step()
+            return self._adasum_step(closure)
+        self._synchronize_for_step()
         return self.optimizer.step() if closure is None else self.optimizer.step(closure)
 
+    # Under torch.compile the communication runs eagerly, the wrapped optimizer's step
+    # compiled (.eager).
+    @eager
+    def _adasum_step(self, closure: Any) -> Any:
+        loss = closure() if closure is not None else None
+        self.reducer.synchronize()
+        return loss
+
+    @eager
+    def _synchronize_for_step(self) -> None:
+        self._before_step()
+
+    @eager
     def synchronize(self) -> None:
         """Wait for every gradient allreduce and store the averaged gradients (with
         Adasum: nothing, as in Horovod; ``step()`` does it all)."""
@@ -332,6 +344,7 @@ def _hook(owner: weakref.ref[DistributedOptimizer]) -> Any:
     return hook
 
 
+@eager
 def broadcast_parameters(params: Any, root_rank: int = 0,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite parameters (or any tensors) with the root's, in place.
@@ -361,6 +374,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0,
     broadcast_arrays(named, root=root, comm=comm)
 
 
+@eager
 def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank the root's optimizer state and hyper-parameters.

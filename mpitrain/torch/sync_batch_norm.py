@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..errors import ArgumentError, MismatchError
+from .eager import eager
 from .mpi_ops import Sum, allgather_async, allreduce_async, rank, synchronize
 
 
@@ -180,6 +181,10 @@ class SyncBatchNorm(_BatchNorm):
             use_batch = self.running_mean is None
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, use_batch, 0.0, self.eps)
+        return self._synchronized(input)
+
+    @eager  # torch.compile breaks its graph here: the layer communicates (.eager)
+    def _synchronized(self, input: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self, self._momentum_factor())
         return output

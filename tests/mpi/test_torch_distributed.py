@@ -522,6 +522,40 @@ def test_ddp_equals_one_process(hook: str, passes: int) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.host_only("torch.compile of CPU modules")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_ddp_and_functional_collectives(backend: str) -> None:
+    """``torch.compile`` of a DDP model, and of a function with functional collectives:
+    torch calls the backend's methods from C++ inside the compiled region, and they must
+    run as they are, not be traced (TorchDynamo refused the group's attributes)."""
+    import torch.distributed._functional_collectives as fc
+
+    torch._dynamo.reset()
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, BATCH * n)
+        loss(compiled, x[r::n], y[r::n]).backward()
+        opt.step()
+    trained = close(list(model.parameters()), one_process(STEPS), 1e-12)
+
+    @torch.compile(backend=backend)
+    def collectives(t: Any) -> tuple[Any, Any]:
+        total = fc.all_reduce(t * 2, "sum", dist.group.WORLD)
+        return total + 1, fc.all_gather_single(t, 0, dist.group.WORLD)
+
+    total, gathered = collectives(torch.full((3,), float(r)))
+    want = torch.arange(n, dtype=torch.float32).repeat_interleave(3)
+    check(trained and torch.equal(total, torch.full((3,), 2.0 * sum(range(n)) + 1))
+          and torch.equal(gathered, want),
+          f"compiled DDP equals one process: {trained}; all_reduce {total}; all_gather "
+          f"{gathered}")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.host_only("the training benchmark's DDP on CPU tensors")
 def test_the_training_benchmarks_fp16_hook_runs_over_the_group_it_is_given() -> None:
     """``python -m benchmarks train --fp16`` gives DDP ``fp16_compress_hook``: its
