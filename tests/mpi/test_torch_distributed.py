@@ -486,6 +486,18 @@ def one_process(steps: int, passes: int = 1) -> list[Any]:
     return [p.detach() for p in model.parameters()]
 
 
+def train_on_my_rows(forward: Any, model: Any) -> None:
+    """STEPS of SGD on ``model``'s parameters, ``forward`` (the model, or a wrapper of
+    it) given this rank's rows of each step's batch."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, BATCH * n)
+        loss(forward, x[r::n], y[r::n]).backward()
+        opt.step()
+
+
 def close(got: Any, want: list[Any], tol: float) -> bool:
     err = max(float((g.detach() - w).abs().max()) for g, w in zip(got, want))
     return err <= tol
@@ -534,12 +546,7 @@ def test_compiled_ddp_and_functional_collectives(backend: str) -> None:
     n, r = dist.get_world_size(), dist.get_rank()
     model = make_model()
     compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step, BATCH * n)
-        loss(compiled, x[r::n], y[r::n]).backward()
-        opt.step()
+    train_on_my_rows(compiled, model)
     trained = close(list(model.parameters()), one_process(STEPS), 1e-12)
 
     @torch.compile(backend=backend)
@@ -609,17 +616,11 @@ def test_ddp_join_with_uneven_inputs() -> None:
 def test_fsdp2_equals_one_process() -> None:
     from torch.distributed.fsdp import fully_shard
 
-    n, r = dist.get_world_size(), dist.get_rank()
     model = make_model()
     fully_shard(model[0])
     fully_shard(model[2])
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step, BATCH * n)
-        loss(model, x[r::n], y[r::n]).backward()
-        opt.step()
+    train_on_my_rows(model, model)
     full = [p.full_tensor() for p in model.parameters()]
     check(close(full, one_process(STEPS), 1e-12), "FSDP2")
 
