@@ -425,6 +425,16 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         """torch's name of the group."""
         return self._name
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices whose tensors the group's collectives take: the CPU, and CUDA
+        where torch has a GPU. torch reads it (``broadcast_from_rank0`` state dicts,
+        ``torch.distributed.checkpoint.async_save``, the object collectives' device)
+        and learns it from the C++ backends registered in a group, of which a group
+        written in Python has none: without it those calls failed."""
+        cuda = [torch.device("cuda")] if torch.cuda.is_available() else []
+        return [torch.device("cpu"), *cuda]
+
     def __repr__(self) -> str:
         return f"<ProcessGroupMpitrain rank {self.comm.rank} of {self.comm.size}>"
 

@@ -625,6 +625,53 @@ def test_fsdp2_equals_one_process() -> None:
     check(close(full, one_process(STEPS), 1e-12), "FSDP2")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_state_dict_from_rank0_and_async_checkpoint() -> None:
+    """FSDP2's way of loading: rank 0's full state dict broadcast into the shards
+    (``broadcast_from_rank0``); then ``torch.distributed.checkpoint.async_save`` and a
+    load into another sharded model. torch asks the group which devices it serves
+    (``_device_types``) on both paths, and they failed while it said none."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed: int) -> Any:
+        model = make_model(seed)
+        for module in (model[0], model[2], model):
+            fully_shard(module)
+        return model
+
+    def full(model: Any) -> dict[str, Any]:
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+    source = make_model(7).state_dict()
+    loaded = sharded(1)
+    set_model_state_dict(loaded, {k: v.clone() for k, v in source.items()}
+                         if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True,
+                                                  broadcast_from_rank0=True))
+    broadcast = all(torch.equal(v, source[k]) for k, v in full(loaded).items())
+    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    try:
+        dcp.async_save({"model": loaded.state_dict()}, checkpoint_id=where[0]).result()
+        restored = sharded(2)
+        state = {"model": restored.state_dict()}
+        dcp.load(state, checkpoint_id=where[0])
+        restored.load_state_dict(state["model"])
+        round_trip = all(torch.equal(v, source[k]) for k, v in full(restored).items())
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0])
+    check(broadcast and round_trip,
+          f"broadcast from rank 0 equal: {broadcast}; async checkpoint round trip equal: "
+          f"{round_trip}")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_gpipe_over_two_ranks_equals_the_whole_model() -> None:
     """A two-stage GPipe schedule (torch.distributed.pipelining) over the backend's
