@@ -80,6 +80,8 @@ torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
 BACKEND = "mpitrain"
 """The name to pass to ``torch.distributed.init_process_group``."""
+DEVICE_TYPES = ("cpu", "cuda")
+"""The device types the backend is registered for."""
 SCHEME = "mpitrain"
 """The ``init_method`` scheme of the MPI rendezvous: ``"mpitrain://"``."""
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -424,6 +426,36 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def group_name(self) -> str:  # type: ignore[override]
         """torch's name of the group."""
         return self._name
+
+    # -- what torch asks of a group's backends --------------------------------------------
+    # torch creates a backend written in C++ per device type and asks the group for it;
+    # a group written in Python is its own backend, for the device types it serves.
+    supports_splitting = False
+    """``split_group`` (which needs a backend that splits communicators) is refused by
+    torch; groups are made with ``new_group``, as DeviceMesh does then."""
+    supports_time_estimate = False
+    """Inductor's estimate of a collective's time asks for it (NCCL's)."""
+
+    def _get_backend(self, device: torch.device) -> ProcessGroupMpitrain:  # type: ignore[override]
+        """The backend of ``device``: this group, for each device type it was registered
+        for. ``init_process_group(device_id=...)`` asks for it and failed without it."""
+        if torch.device(device).type not in DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type "
+                               f"{torch.device(device).type}: the {BACKEND} backend serves "
+                               f"{', '.join(DEVICE_TYPES)}")
+        return self
+
+    @property
+    def bound_device_id(self) -> torch.device | None:
+        """None: a group of this backend is bound to no device. torch binds the default
+        group to ``init_process_group``'s ``device_id`` to connect NCCL eagerly and to
+        split groups from it (``split_group``, which DeviceMesh then uses); neither
+        applies here, so the binding is dropped (the tensors' own devices are used)."""
+        return None
+
+    @bound_device_id.setter
+    def bound_device_id(self, device: torch.device | None) -> None:
+        pass
 
     @property
     def _device_types(self) -> list[torch.device]:
@@ -900,7 +932,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=list(DEVICE_TYPES))
     handlers = torch_rendezvous._rendezvous_handlers
     if SCHEME not in handlers:
         dist.register_rendezvous_handler(SCHEME, mpi_rendezvous)

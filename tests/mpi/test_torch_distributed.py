@@ -306,6 +306,30 @@ def test_groups_and_device_meshes() -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_what_torch_asks_of_the_groups_backends() -> None:
+    """What torch does with a group's backends, done here on CPU (torch without CUDA
+    refuses a CUDA ``device_id``): ``init_process_group(device_id=cuda:N)`` asks the
+    new group for the backend of that device and whether it splits, then binds the
+    group to it (a bound group makes DeviceMesh split groups, which this backend
+    cannot); Inductor asks the CUDA backend for time estimates; torch's own error for a
+    device the backend does not serve."""
+    group = dist.group.WORLD
+    cuda = torch.device("cuda", 0)
+    answers = (group._get_backend(cuda).supports_splitting,
+               group._get_backend(torch.device("cpu")).supports_splitting,
+               group._get_backend(cuda).supports_time_estimate)
+    group.bound_device_id = cuda
+    try:
+        group._get_backend(torch.device("meta"))
+        refused = False
+    except RuntimeError as exc:
+        refused = "No backend type associated with device type meta" in str(exc)
+    check(answers == (False, False, False) and group.bound_device_id is None and refused,
+          f"splits / time estimates: {answers}; bound to {group.bound_device_id}; "
+          f"meta refused: {refused}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_destroying_a_group_releases_it() -> None:
     """destroy_process_group(group) stops the group's engine thread and frees its
     communicators (torch calls the backend's shutdown): groups made and destroyed in a
