@@ -50,7 +50,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import itertools
+import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -77,6 +80,7 @@ from .eager import eager_methods
 from .tensors import as_buffer, from_buffer, producer_stream
 
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+log = logging.getLogger("mpitrain")
 
 BACKEND = "mpitrain"
 """The name to pass to ``torch.distributed.init_process_group``."""
@@ -236,7 +240,8 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
 class Work(dist.Work):
     """A collective in flight: ``wait()`` (raises the operation's error),
     ``is_completed()``, ``get_future()`` (its value: the output tensors; it completes on
-    the engine's thread, as torch's futures complete on a backend's).
+    a thread of mpitrain's, as torch's futures complete on a backend's, see
+    :class:`_Completer`).
 
     Args:
         pending: the engine handles and what finishes the operation (copies into the
@@ -302,16 +307,55 @@ class Work(dist.Work):
             future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
             self._future = future
 
-        def done(pending: Pending) -> None:
+        def complete() -> None:
             try:
-                pending.wait()
+                self._pending.wait()
             except Exception as exc:
                 future.set_exception(exc)  # type: ignore[arg-type]
                 return
             future.set_result(self._outputs)
 
-        self._pending.add_done_callback(done)
+        self._pending.add_done_callback(lambda _: _COMPLETER.submit(complete))
         return future
+
+
+class _Completer:
+    """Completes the futures of Work off the engine's thread, each on a thread that is
+    not running another completion.
+
+    Setting a torch future's result runs its callbacks (``then``) on the thread that
+    sets it, and a callback may wait for another collective: DDP's PowerSGD hook calls
+    ``dist.all_reduce(...).get_future().wait()`` inside one. Run on the engine's thread,
+    that wait could never end (the engine runs the collective it waits for), and run on
+    one thread of its own, the second future's completion would queue behind the
+    first's. So each completion takes an idle thread, or a new one where every thread
+    is busy: the threads grow to the deepest nesting of waiting callbacks (one, two),
+    and stay.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # one count per thread back at the queue
+        self._names = itertools.count(1)
+
+    def submit(self, complete: Callable[[], None]) -> None:
+        """Run ``complete()`` on an idle completion thread (or a new one)."""
+        self._queue.put(complete)
+        if not self._idle.acquire(blocking=False):
+            threading.Thread(target=self._serve, daemon=True,
+                             name=f"mpitrain-futures-{next(self._names)}").start()
+
+    def _serve(self) -> None:
+        while True:
+            complete = self._queue.get()
+            try:
+                complete()
+            except BaseException:  # (torch keeps a callback's error in its future)
+                log.exception("mpitrain: completing a torch.distributed future failed")
+            self._idle.release()
+
+
+_COMPLETER = _Completer()
 
 
 def _until_done(pending: Pending, seconds: float) -> None:
