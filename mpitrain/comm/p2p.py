@@ -38,9 +38,12 @@ def _rethrow(exc: MPI.Exception, statuses: Sequence[MPI.Status]) -> MPI.Exceptio
     return exc
 
 
-def testall(requests: Sequence[MPI.Request]) -> bool:
-    """``MPI_Testall``, raising a failed request's own error."""
-    statuses = [MPI.Status() for _ in requests]
+def testall(requests: Sequence[MPI.Request],
+            statuses: list[MPI.Status] | None = None) -> bool:
+    """``MPI_Testall`` (filling ``statuses`` where given), raising a failed request's
+    own error."""
+    if statuses is None:
+        statuses = [MPI.Status() for _ in requests]
     try:
         return bool(MPI.Request.Testall(list(requests), statuses))
     except MPI.Exception as exc:

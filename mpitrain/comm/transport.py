@@ -118,9 +118,9 @@ class Transport:
         self.inspector = Inspector(self, stall)
         self.interruptible = self.inspector.raises
         self.elastic = elastic
-        # testall(requests): True once all are done; under ULFM a failed request raises
-        # its own error, not MPI_ERR_IN_STATUS (see .p2p).
-        self.testall: Callable[[list[Request]], bool] = \
+        # testall(requests[, statuses]): True once all are done; under ULFM a failed
+        # request raises its own error, not MPI_ERR_IN_STATUS (see .p2p).
+        self.testall: Callable[..., bool] = \
             p2p.testall if elastic else MPI.Request.Testall
         self._waitall: Callable[[list[Request]], Any] = \
             p2p.waitall if elastic else MPI.Request.Waitall

@@ -209,6 +209,32 @@ def _receiving(t: torch.Tensor, nbytes: int,
     return np.empty(nbytes, np.uint8)
 
 
+PIECE_BYTES = 1 << 30
+"""The largest message of a point-to-point send: a tensor of this size or more goes in
+several (MPI's counts are C ints, and Open MPI refuses a message of 2 GiB or more)."""
+
+
+def _pieces(data: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    """``data`` (bytes) cut into the messages that carry it: itself where it is smaller
+    than :data:`PIECE_BYTES`, else pieces of that size and the rest (possibly empty).
+    Receiver and sender cut alike; where their sizes differ and one is in pieces, the
+    size check refuses the receive, but messages of the same tag after it may be taken
+    by its pieces."""
+    if data.size < PIECE_BYTES:
+        return [data]
+    whole = data.size - data.size % PIECE_BYTES
+    return [data[i:i + PIECE_BYTES] for i in range(0, whole, PIECE_BYTES)] + [data[whole:]]
+
+
+def _check_received(rank: int, what: str, got: int, expected: int) -> None:
+    """Refuse a message of another size than the tensor it was received into (MPI
+    fills a larger tensor in part and says nothing)."""
+    if got != expected:
+        raise ArgumentError(f"rank {rank}: {what}: received {got} bytes into a tensor part "
+                            f"of {expected} bytes; send and receive tensors of the same "
+                            "size (and dtype)")
+
+
 def _store(t: torch.Tensor, data: np.ndarray[Any, Any]) -> None:
     """Put bytes ``data`` into ``t`` (nothing to do where ``data`` is ``t``'s own memory,
     from :func:`_bytes`)."""
@@ -395,22 +421,34 @@ class _MpiRequests:
 
     def __init__(self, transport: Transport, what: str, requests: list[MPI.Request]) -> None:
         self.transport, self.what, self.requests = transport, what, requests
+        self.statuses = [MPI.Status() for _ in requests]  # the received sizes
         self._done = False
         self._callbacks: list[Callable[[Any], None]] = []
 
     def wait(self) -> None:
         if not self._done:
-            requests = self.requests
             self.transport.begin(self.what)
             # tests between yields, as MPI's own wait polls: no sleep, so a pipeline
             # stage that waits long for its neighbour wakes the moment data arrives
-            self.transport.block(lambda: self.transport.testall(requests))
+            self.transport.block(self._test)
         self._fire()
 
     def test(self) -> bool:
-        if not self._done and self.transport.testall(self.requests):
+        if not self._done and self._test():
             self._fire()
         return self._done
+
+    def _test(self) -> bool:
+        try:
+            return self.transport.testall(self.requests, self.statuses)
+        except MPI.Exception as exc:
+            classes = {exc.Get_error_class(), *(MPI.Get_error_class(status.Get_error())
+                                                for status in self.statuses)}
+            if MPI.ERR_TRUNCATE not in classes:
+                raise
+            raise ArgumentError(f"rank {self.transport.rank}: {self.what}: the message is "
+                                "larger than the tensor it is received into; send and "
+                                "receive tensors of the same size") from None
 
     def _fire(self) -> None:
         self._done = True
@@ -844,11 +882,12 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return _done([])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        """Send each tensor to group rank ``dst`` (MPI; host copies of device tensors)."""
+        """Send each tensor to group rank ``dst`` (MPI; host copies of device tensors), in
+        messages of at most :data:`PIECE_BYTES`."""
         data = [_bytes(t) for t in tensors]
         comm = self.p2p.comm
         requests = _MpiRequests(self.p2p, f"send to rank {dst} (tag {tag})",
-                                [comm.Isend(d, dst, tag) for d in data])
+                                [comm.Isend(p, dst, tag) for d in data for p in _pieces(d)])
 
         def finish() -> list[np.ndarray[Any, Any]]:
             requests.wait()
@@ -858,12 +897,15 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         """Receive each tensor from group rank ``src``."""
         data = [_bytes(t) for t in tensors]
+        pieces = [p for d in data for p in _pieces(d)]
         comm = self.p2p.comm
-        requests = _MpiRequests(self.p2p, f"recv from rank {src} (tag {tag})",
-                                [comm.Irecv(d, src, tag) for d in data])
+        what = f"recv from rank {src} (tag {tag})"
+        requests = _MpiRequests(self.p2p, what, [comm.Irecv(p, src, tag) for p in pieces])
 
         def finish() -> None:
             requests.wait()
+            for piece, status in zip(pieces, requests.statuses):
+                _check_received(self.comm.rank, what, status.Get_count(MPI.BYTE), piece.size)
             for t, d in zip(tensors, data):
                 _store(t, d)
         return Work(Pending([requests], finish), tensors)  # type: ignore[list-item]
@@ -873,29 +915,40 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         ``_source_rank()`` is the rank the first came from."""
         sources = []
         for t in tensors:
-            message, source = self._probe_any(tag)
             data = _bytes(t)
-            message.Recv(data)
+            source = -1
+            for piece in _pieces(data):
+                if source < 0:  # the first piece from any rank, the others from that one
+                    message, source, size = self._probe(MPI.ANY_SOURCE, tag)
+                else:
+                    message, _, size = self._probe(source, tag)
+                what = f"recv from any rank (tag {tag}), sent by rank {source}"
+                if size != piece.size:
+                    message.Recv(np.empty(size, np.uint8))  # (taken off the queue)
+                _check_received(self.comm.rank, what, size, piece.size)
+                message.Recv(piece)
             _store(t, data)
             sources.append(source)
         work = _done(tensors)
         work._sender = sources[0] if sources else -1
         return work
 
-    def _probe_any(self, tag: int) -> tuple[MPI.Message, int]:
-        """The next message of ``tag`` from any rank, matched (not received yet), and its
-        sender; the wait is watched like a collective's."""
+    def _probe(self, source: int, tag: int) -> tuple[MPI.Message, int, int]:
+        """The next message of ``tag`` from ``source`` (``MPI.ANY_SOURCE``: any rank),
+        matched (not received yet), its sender and its size in bytes; the wait is
+        watched like a collective's."""
         p2p, status, found = self.p2p, MPI.Status(), []
 
         def arrived() -> bool:
-            message = p2p.comm.Improbe(MPI.ANY_SOURCE, tag, status)
+            message = p2p.comm.Improbe(source, tag, status)
             if message is not None:
                 found.append(message)
             return message is not None
 
-        p2p.begin(f"recv from any rank (tag {tag})")
+        sender = "any rank" if source == MPI.ANY_SOURCE else f"rank {source}"
+        p2p.begin(f"recv from {sender} (tag {tag})")
         p2p.block(arrived)
-        return found[0], status.Get_source()
+        return found[0], status.Get_source(), status.Get_count(MPI.BYTE)
 
 
 def _opt(opts: Any, name: str, default: Any) -> Any:

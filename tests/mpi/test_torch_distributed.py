@@ -242,6 +242,82 @@ def test_point_to_point_and_objects() -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_message_of_another_size_is_refused() -> None:
+    """A receive into a tensor of another size than the one sent raises ArgumentError
+    on the receiving rank (MPI itself fills a larger tensor in part and says nothing),
+    from a given rank and from any rank; the next message is received as sent."""
+    r = dist.get_rank()
+    errors = []
+    for sent, room, any_rank in [(4, 8, False), (8, 4, False), (4, 8, True), (8, 4, True)]:
+        if r == 1:
+            dist.send(torch.arange(sent, dtype=torch.float64), 0, tag=9)
+            dist.send(torch.arange(3, dtype=torch.float64) + sent, 0, tag=9)
+        elif r == 0:
+            try:
+                dist.recv(torch.empty(room, dtype=torch.float64), None if any_rank else 1,
+                          tag=9)
+                errors.append(f"{sent} into {room}: no error")
+            except mt.ArgumentError as exc:
+                if "send and receive tensors of the same size" not in str(exc):
+                    errors.append(f"{sent} into {room}: {exc}")
+            after = torch.empty(3, dtype=torch.float64)
+            dist.recv(after, 1, tag=9)
+            if not torch.equal(after, torch.arange(3, dtype=torch.float64) + sent):
+                errors.append(f"{sent} into {room}: then received {after}")
+    check(not errors, f"{errors}")
+    dist.barrier()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_point_to_point_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of a message's size or more are sent in several (pieces of 24 bytes here,
+    and the rest), received from a given rank and from any rank, around the ring."""
+    from mpitrain.torch import distributed as backend
+
+    monkeypatch.setattr(backend, "PIECE_BYTES", 24)
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    wrong = []
+    for count in (50, 6, 1):  # 16 pieces and 16 bytes; 2 pieces and an empty one; whole
+        mine = torch.arange(count, dtype=torch.float64) * (r + 1)
+        incoming = torch.empty(count, dtype=torch.float64)
+        for req in [dist.isend(mine, right, tag=4), dist.irecv(incoming, left, tag=4)]:
+            req.wait()
+        ok = torch.equal(incoming, torch.arange(count, dtype=torch.float64) * (left + 1))
+        if n > 1:
+            if r == 1:
+                dist.send(mine, 0, tag=6)
+            if r == 0:
+                got = torch.empty(count, dtype=torch.float64)
+                ok = ok and dist.recv(got, tag=6) == 1 and torch.equal(got, mine / (r + 1) * 2)
+        if not ok:
+            wrong.append(count)
+    check(not wrong, f"point to point in pieces: wrong for {wrong} float64s")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.host_only("2 GiB in host memory")
+def test_a_message_of_more_than_2_gib() -> None:
+    """A send of more than 2 GiB (which Open MPI refuses as one message) arrives whole,
+    from rank 1 to rank 0; run at 2 ranks only, for its memory."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    if n != 2:
+        pytest.skip("2 ranks only")
+    count = (1 << 31) + 24
+    ok = True
+    if r == 1:
+        sent = torch.zeros(count, dtype=torch.uint8)
+        sent[:3], sent[-3:], sent[1 << 30] = 1, 2, 3
+        dist.send(sent, 0, tag=2)
+    else:
+        got = torch.empty(count, dtype=torch.uint8)
+        dist.recv(got, 1, tag=2)
+        ok = (got[:3].tolist() == [1] * 3 and got[-3:].tolist() == [2] * 3
+              and int(got[1 << 30]) == 3 and int(got[(1 << 30) + 1]) == 0)
+    check(ok, "a message of 2 GiB and 24 bytes")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_wait_with_a_timeout_leaves_the_operation_in_flight() -> None:
     """Work.wait(timeout) on a receive whose message has not been sent raises
     DistBackendError after the timeout; once the message is sent, wait() finishes the
