@@ -341,7 +341,10 @@ class Work(dist.Work):
                 return
             future.set_result(self._outputs)
 
-        self._pending.add_done_callback(lambda _: _COMPLETER.submit(complete))
+        if self._pending.done():  # done already: complete it here, on the caller's thread
+            complete()
+        else:
+            self._pending.add_done_callback(lambda _: _COMPLETER.submit(complete))
         return future
 
 
