@@ -253,6 +253,8 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         threads = torch.get_num_threads()
         self.reducer = GradientReducer(updated, self._bridge, comm=comm, host=host,
                                        compute_threads=threads, **self._options)
+        # A compiled step() breaks its graph at the averaging and runs it eagerly (.eager)
+        self.reducer.synchronize = eager(self.reducer.synchronize)  # type: ignore[method-assign]
         me = weakref.ref(self)
         for _, p in updated:
             if id(p) not in self._hooked:
@@ -300,21 +302,11 @@ class DistributedOptimizer(DistributedOptimizerBase, torch.optim.Optimizer):
         With Adasum: step the parameters not stepped yet, wait for the combined deltas
         and apply them (``closure`` is called first)."""
         if self._adasum:
-            return self._adasum_step(closure)
-        self._synchronize_for_step()
-        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
-
-    # Under torch.compile the communication runs eagerly, the wrapped optimizer's step
-    # compiled (.eager).
-    @eager
-    def _adasum_step(self, closure: Any) -> Any:
-        loss = closure() if closure is not None else None
-        self.reducer.synchronize()
-        return loss
-
-    @eager
-    def _synchronize_for_step(self) -> None:
+            loss = closure() if closure is not None else None
+            self.reducer.synchronize()
+            return loss
         self._before_step()
+        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
 
     @eager
     def synchronize(self) -> None:
