@@ -209,6 +209,23 @@ def _receiving(t: torch.Tensor, nbytes: int,
     return np.empty(nbytes, np.uint8)
 
 
+BYTE_COUNT_LIMIT = 1 << 31
+"""Where an ``all_to_all``'s count or offset in bytes reaches this, it counts in rows or
+elements instead (MPI's counts and offsets are C ints)."""
+
+
+def _fits(counts: list[int], limit: int) -> bool:
+    """Whether ``counts`` and their offsets (the sums before each) are all below
+    ``limit``."""
+    return max(counts, default=0) < limit and sum(counts) - (counts[-1] if counts else 0) < limit
+
+
+def _units(counts: list[int], unit: int) -> tuple[list[int], list[int]]:
+    """Byte ``counts`` (multiples of ``unit``) as counts and offsets in units."""
+    units = [c // unit for c in counts]
+    return units, [int(x) for x in np.cumsum([0, *units[:-1]])]
+
+
 PIECE_BYTES = 1 << 30
 """The largest message of a point-to-point send: a tensor of this size or more goes in
 several (MPI's counts are C ints, and Open MPI refuses a message of 2 GiB or more)."""
@@ -840,8 +857,11 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         _same_everywhere([p[:2] for p in parts], rank, "all_to_all_single")
         _pairs_agree([p[2] for p in parts], [p[3] for p in parts], rank,
                      "all_to_all_single", "rows")
-        self._alltoallv(_bytes(input), [r * row for r in send_rows], output,
-                        [r * row for r in recv_rows])
+        send = _bytes(input)
+        received = _receiving(output, sum(recv_rows) * row, send)
+        self._alltoallv(send, [r * row for r in send_rows], received,
+                        [r * row for r in recv_rows], row)
+        _store(output, received)
         return _done([output])
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # (torch before 2.12)
@@ -864,19 +884,35 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         _pairs_agree([p[1] for p in parts], [p[2] for p in parts], rank, "all_to_all", "bytes")
         expected = parts[rank][2]
         received = np.empty(sum(expected), np.uint8)
-        self.control.Alltoallv([np.concatenate([_bytes(t) for t in inputs]), sizes],
-                               [received, expected])
+        self._alltoallv(np.concatenate([_bytes(t) for t in inputs]), sizes, received, expected,
+                        inputs[0].element_size())
         offsets = np.cumsum([0, *expected])
         for r, o in enumerate(outputs):
             _store(o, received[offsets[r]:offsets[r + 1]])
         return _done(outputs)
 
     def _alltoallv(self, send: np.ndarray[Any, Any], send_bytes: list[int],
-                   output: torch.Tensor, recv_bytes: list[int]) -> None:
-        """MPI's alltoallv of the bytes into ``output`` (:func:`_receiving`)."""
-        received = _receiving(output, sum(recv_bytes), send)
-        self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
-        _store(output, received)
+                   received: np.ndarray[Any, Any], recv_bytes: list[int], unit: int) -> None:
+        """MPI's alltoallv of the bytes ``send`` into ``received``, ``send_bytes[r]`` to
+        rank ``r`` and ``recv_bytes[r]`` from it, every count a multiple of ``unit``
+        bytes. MPI's counts and offsets are C ints: where a count or an offset in bytes
+        reaches :data:`BYTE_COUNT_LIMIT`, they count units (a datatype of ``unit``
+        bytes) instead."""
+        if _fits(send_bytes, BYTE_COUNT_LIMIT) and _fits(recv_bytes, BYTE_COUNT_LIMIT):
+            self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
+            return
+        if not (_fits([c // unit for c in send_bytes], 1 << 31)
+                and _fits([c // unit for c in recv_bytes], 1 << 31)):
+            raise ArgumentError(f"rank {self.comm.rank}: an exchange of {sum(send_bytes)} "
+                                f"bytes out and {sum(recv_bytes)} in, in units of {unit} "
+                                "bytes, passes MPI's counts and offsets (C ints); split it "
+                                "into several calls")
+        kind = MPI.BYTE.Create_contiguous(unit).Commit()
+        try:
+            self.control.Alltoallv([send, _units(send_bytes, unit), kind],
+                                   [received, _units(recv_bytes, unit), kind])
+        finally:
+            kind.Free()
 
     # -- synchronisation, point to point -----------------------------------------------
     def barrier(self, opts: Any = None) -> Work:

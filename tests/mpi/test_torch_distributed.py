@@ -176,7 +176,16 @@ def test_gathers_broadcasts_and_reduce(dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_gather_scatter_all_to_all_and_uneven_splits() -> None:
+@pytest.mark.parametrize("counting", ["bytes", "units"])
+def test_gather_scatter_all_to_all_and_uneven_splits(counting: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """gather, scatter, all_to_all and all_to_all_single (uneven splits; into its own
+    input), with the all_to_all counts in bytes, and in rows or elements, as MPI gets
+    them from 2 GiB on (forced here at any size)."""
+    if counting == "units":
+        from mpitrain.torch import distributed as backend
+
+        monkeypatch.setattr(backend, "BYTE_COUNT_LIMIT", 1)
     n, r = dist.get_world_size(), dist.get_rank()
     root = n - 1
     got = [torch.empty(3, dtype=torch.int32) for _ in range(n)] if r == root else None
