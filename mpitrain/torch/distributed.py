@@ -210,8 +210,9 @@ def _receiving(t: torch.Tensor, nbytes: int,
 
 
 BYTE_COUNT_LIMIT = 1 << 31
-"""Where an ``all_to_all``'s count or offset in bytes reaches this, it counts in rows or
-elements instead (MPI's counts and offsets are C ints)."""
+"""Where a count or offset in bytes of MPI's own ``all_to_all``, ``gather`` or
+``scatter`` reaches this, they count rows or elements instead (MPI's counts and offsets
+are C ints)."""
 
 
 def _fits(counts: list[int], limit: int) -> bool:
@@ -220,10 +221,26 @@ def _fits(counts: list[int], limit: int) -> bool:
     return max(counts, default=0) < limit and sum(counts) - (counts[-1] if counts else 0) < limit
 
 
-def _units(counts: list[int], unit: int) -> tuple[list[int], list[int]]:
-    """Byte ``counts`` (multiples of ``unit``) as counts and offsets in units."""
+def _units(counts: list[int], unit: int, rank: int, what: str) -> tuple[list[int], list[int]]:
+    """Byte ``counts`` (multiples of ``unit``) as counts and offsets in units, for a
+    buffer whose counts in bytes do not fit MPI's C ints; ArgumentError where those do
+    not fit either."""
     units = [c // unit for c in counts]
+    if not _fits(units, 1 << 31):
+        raise ArgumentError(f"rank {rank}: {what} of {sum(counts)} bytes in units of {unit} "
+                            "bytes passes MPI's counts and offsets (C ints); split it into "
+                            "several calls")
     return units, [int(x) for x in np.cumsum([0, *units[:-1]])]
+
+
+@contextlib.contextmanager
+def _unit_type(unit: int) -> Iterator[MPI.Datatype]:
+    """An MPI datatype of ``unit`` contiguous bytes, freed afterwards."""
+    kind = MPI.BYTE.Create_contiguous(unit).Commit()
+    try:
+        yield kind
+    finally:
+        kind.Free()
 
 
 PIECE_BYTES = 1 << 30
@@ -789,12 +806,20 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
         data, parts = self._agree("gather", prepare)
         _same_everywhere([p[0] for p in parts], comm.rank, "gather")
-        if comm.rank != root:
-            self.control.Gatherv(data, None, root=root)
-            return _done([])
         counts = [p[1] for p in parts]
-        received = np.empty(sum(counts), np.uint8)
-        self.control.Gatherv(data, [received, counts], root=root)
+        received = np.empty(sum(counts) if comm.rank == root else 0, np.uint8)
+        unit = inputs[0].element_size()
+        if _fits(counts, BYTE_COUNT_LIMIT):
+            self.control.Gatherv(data, [received, counts] if comm.rank == root else None,
+                                 root=root)
+        else:  # counts in elements (MPI's counts are C ints)
+            with _unit_type(unit) as kind:
+                into = _units(counts, unit, comm.rank, "gather")
+                self.control.Gatherv([data, data.size // unit, kind],
+                                     [received, into, kind] if comm.rank == root else None,
+                                     root=root)
+        if comm.rank != root:
+            return _done([])
         offsets = np.cumsum([0, *counts])
         for r, out in enumerate(output_lists[0]):
             _store(out, received[offsets[r]:offsets[r + 1]])
@@ -821,8 +846,16 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
             raise MismatchError(f"rank {comm.rank}: scatter's root (rank {root}) has input "
                                 f"tensors of {parts[root][2]} bytes for outputs of {counts}")
         mine = _receiving(outputs[0], counts[comm.rank])
-        send = [np.concatenate(pieces), counts] if pieces is not None else None
-        self.control.Scatterv(send, mine, root=root)
+        whole = np.concatenate(pieces) if pieces is not None else None
+        unit = outputs[0].element_size()
+        if _fits(counts, BYTE_COUNT_LIMIT):
+            self.control.Scatterv([whole, counts] if whole is not None else None, mine,
+                                  root=root)
+        else:  # counts in elements (MPI's counts are C ints)
+            with _unit_type(unit) as kind:
+                out_of = _units(counts, unit, comm.rank, "scatter")
+                self.control.Scatterv([whole, out_of, kind] if whole is not None else None,
+                                      [mine, mine.size // unit, kind], root=root)
         _store(outputs[0], mine)
         return _done(outputs)
 
@@ -901,18 +934,11 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         if _fits(send_bytes, BYTE_COUNT_LIMIT) and _fits(recv_bytes, BYTE_COUNT_LIMIT):
             self.control.Alltoallv([send, send_bytes], [received, recv_bytes])
             return
-        if not (_fits([c // unit for c in send_bytes], 1 << 31)
-                and _fits([c // unit for c in recv_bytes], 1 << 31)):
-            raise ArgumentError(f"rank {self.comm.rank}: an exchange of {sum(send_bytes)} "
-                                f"bytes out and {sum(recv_bytes)} in, in units of {unit} "
-                                "bytes, passes MPI's counts and offsets (C ints); split it "
-                                "into several calls")
-        kind = MPI.BYTE.Create_contiguous(unit).Commit()
-        try:
-            self.control.Alltoallv([send, _units(send_bytes, unit), kind],
-                                   [received, _units(recv_bytes, unit), kind])
-        finally:
-            kind.Free()
+        rank = self.comm.rank
+        with _unit_type(unit) as kind:
+            self.control.Alltoallv(
+                [send, _units(send_bytes, unit, rank, "all_to_all's send"), kind],
+                [received, _units(recv_bytes, unit, rank, "all_to_all's receive"), kind])
 
     # -- synchronisation, point to point -----------------------------------------------
     def barrier(self, opts: Any = None) -> Work:

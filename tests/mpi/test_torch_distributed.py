@@ -180,8 +180,8 @@ def test_gathers_broadcasts_and_reduce(dtype: str) -> None:
 def test_gather_scatter_all_to_all_and_uneven_splits(counting: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """gather, scatter, all_to_all and all_to_all_single (uneven splits; into its own
-    input), with the all_to_all counts in bytes, and in rows or elements, as MPI gets
-    them from 2 GiB on (forced here at any size)."""
+    input), with MPI's counts in bytes, and in rows or elements, as from 2 GiB on
+    (forced here at any size)."""
     if counting == "units":
         from mpitrain.torch import distributed as backend
 
