@@ -296,7 +296,7 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
 
 
 # -- work ---------------------------------------------------------------------------------
-@eager_methods
+@eager_methods("_source_rank")
 class Work(dist.Work):
     """A collective in flight: ``wait()`` (raises the operation's error),
     ``is_completed()``, ``get_future()`` (its value: the output tensors; it completes on
@@ -501,7 +501,7 @@ class _MpiRequests:
 
 
 # -- the process group --------------------------------------------------------------------
-@eager_methods
+@eager_methods("_get_backend", "_device_types", "_allgather_base", "_reduce_scatter_base")
 class ProcessGroupMpitrain(dist.ProcessGroup):
     """A torch process group whose collectives run on mpitrain.
 

@@ -29,18 +29,22 @@ def eager(fn: _Fn) -> _Fn:
     return wrapped
 
 
-def eager_methods(cls: _Class) -> _Class:
-    """Class decorator: every method and property getter that ``cls`` defines (not
-    ``__dunder__`` ones but ``__init__``) runs eagerly (:func:`eager`)."""
-    for name, member in list(vars(cls).items()):
-        if name.startswith("__") and name != "__init__":
-            continue
-        if inspect.isfunction(member):
-            setattr(cls, name, eager(member))
-        elif isinstance(member, property) and member.fget is not None:
-            setattr(cls, name, property(eager(member.fget), member.fset, member.fdel,
-                                        member.__doc__))
-    return cls
+def eager_methods(*private: str) -> Callable[[_Class], _Class]:
+    """Class decorator: the public methods and property getters that the class defines,
+    and those of the ``private`` names (the ones torch calls), run eagerly
+    (:func:`eager`). The class's own helpers are not wrapped: they run inside those
+    entry points, eagerly already, and each wrapper costs a collective's hot path."""
+    def wrap(cls: _Class) -> _Class:
+        for name, member in list(vars(cls).items()):
+            if name.startswith("_") and name not in private:
+                continue
+            if inspect.isfunction(member):
+                setattr(cls, name, eager(member))
+            elif isinstance(member, property) and member.fget is not None:
+                setattr(cls, name, property(eager(member.fget), member.fset, member.fdel,
+                                            member.__doc__))
+        return cls
+    return wrap
 
 
 def eager_functions(namespace: dict[str, Any], names: Iterable[str]) -> None:
