@@ -26,8 +26,8 @@ bitwise ones, ``reduce``, ``broadcast``, ``all_gather`` and ``all_gather_into_te
 async engine of a :class:`~mpitrain.Communicator` of the group's ranks: negotiated
 (ranks whose calls disagree get :class:`~mpitrain.MismatchError` on every rank),
 fused, and run on mpitrain's algorithms. ``async_op=True`` returns a
-:class:`~torch.distributed.Work` whose ``get_future()`` completes on the engine's
-thread; a blocking call waits for it. The bitwise reductions, ``gather``,
+:class:`~torch.distributed.Work` whose ``get_future()`` completes on a thread of
+mpitrain's (:class:`_Completer`); a blocking call waits for it. The bitwise reductions, ``gather``,
 ``scatter``, ``all_to_all`` and ``all_to_all_single`` run MPI's own collectives on the
 group's own duplicate communicator after a rendezvous named by the call and one
 exchange of every rank's arguments (so that an error on one rank is an error on every
@@ -976,8 +976,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return Work(Pending([requests], finish), tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        """Receive each tensor from any rank (one message each; blocking): the Work's
-        ``_source_rank()`` is the rank the first came from."""
+        """Receive each tensor from any rank (one message each, or its pieces from that
+        rank; blocking): the Work's ``_source_rank()`` is the rank the first came from."""
         sources = []
         for t in tensors:
             data = _bytes(t)
