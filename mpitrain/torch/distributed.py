@@ -171,15 +171,30 @@ _REDUCTIONS.update({getattr(dist.ReduceOp, name): reduction(getattr(dist.ReduceO
                     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")})
 
 
-def _uint8_for_bool(t: torch.Tensor, op: ReduceOp | None, what: str) -> torch.Tensor:
-    """A bool tensor as uint8 (same memory) where the reduction keeps 0/1 (min, max);
-    other tensors as they are."""
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN,
+             ReduceOp.MIN: ReduceOp.MIN, ReduceOp.MAX: ReduceOp.MAX}
+"""The reduction of bool tensors (as uint8 0/1) for each op they take: a sum is a
+logical or (any rank's True), a product a logical and, as gloo and NCCL reduce them."""
+
+
+def _reducible(t: torch.Tensor, op: ReduceOp, what: str,
+               factor: float = 1.0) -> tuple[torch.Tensor, ReduceOp]:
+    """The tensor to reduce and the op to reduce it with: a bool tensor as uint8 (same
+    memory) with its op of :data:`_BOOL_OPS`; other tensors and ``op`` as they are."""
     if t.dtype != torch.bool:
-        return t
-    if op not in (ReduceOp.MIN, ReduceOp.MAX, None):
-        raise DtypeError(f"{what} of bool tensors takes MIN, MAX, BAND or BOR, not {op!r}; "
-                         "cast with .to(torch.uint8)")
-    return t.view(torch.uint8)
+        return t, op
+    reduced = _BOOL_OPS.get(op)
+    if reduced is None or factor != 1.0:
+        raise DtypeError(f"{what} of bool tensors takes SUM (a logical or), PRODUCT (a "
+                         f"logical and), MIN, MAX, BAND, BOR or BXOR, not "
+                         f"{'PREMUL_SUM' if factor != 1.0 else op!r}; cast with "
+                         ".to(torch.float32) to average")
+    return t.view(torch.uint8), reduced
+
+
+def _bytes_of_bool(t: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as uint8 (same memory), to move its bytes; others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 def _contiguous_view(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -293,6 +308,56 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
     if comm.rank == root and (len(lists) != 1 or len(lists[0]) != comm.size):
         raise ArgumentError(f"rank {comm.rank}: {what}'s root needs a list of {comm.size} "
                             f"{lists_are} tensors")
+
+
+_DTYPES = tuple(dict.fromkeys(d for d in vars(torch).values() if isinstance(d, torch.dtype)))
+"""torch's dtypes, in one order on every rank (a dtype's index is its code in
+:func:`_sized`'s header)."""
+
+
+_ALIGN = 16
+"""The header and each rank's bytes in :func:`_sized`'s layout start at a multiple of
+this (the widest dtype's size), so that each is viewed as its dtype without a copy."""
+
+
+def _header_bytes(size: int) -> int:
+    return -(-8 * (2 + size) // _ALIGN) * _ALIGN
+
+
+def _sized(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``t``'s bytes after a header of int64 words: their count, ``t``'s dtype (its
+    index in :data:`_DTYPES`) and the element count this rank expects of each rank
+    (``sizes``), header and bytes each padded to :data:`_ALIGN`, for an ``all_gather``
+    of tensors of different sizes (read back by :func:`_unsized`)."""
+    data = t.detach().reshape(-1).view(torch.uint8)
+    header = torch.zeros(_header_bytes(len(sizes)) // 8, dtype=torch.int64)
+    header[:2 + len(sizes)] = torch.tensor([data.numel(), _DTYPES.index(t.dtype), *sizes])
+    pad = torch.zeros(-data.numel() % _ALIGN, dtype=torch.uint8, device=t.device)
+    return torch.cat([header.view(torch.uint8).to(t.device), data, pad])
+
+
+def _unsized(gathered: torch.Tensor, dtype: torch.dtype, rank: int,
+             size: int) -> list[torch.Tensor]:
+    """Each rank's tensor of ``gathered`` (every rank's :func:`_sized` bytes, in rank
+    order), as ``dtype``; a :class:`~mpitrain.MismatchError` on every rank where the
+    ranks sent other dtypes, or a rank expected other sizes than were sent."""
+    pos, blocks, headers = 0, [], []
+    for _ in range(size):
+        header = gathered[pos:pos + 8 * (2 + size)].cpu().view(torch.int64).tolist()
+        start = pos + _header_bytes(size)
+        blocks.append(gathered[start:start + header[0]])
+        headers.append(header)
+        pos = start + header[0] + -header[0] % _ALIGN
+    dtypes = [_DTYPES[h[1]] for h in headers]
+    if any(d != dtypes[0] for d in dtypes):
+        raise MismatchError(f"rank {rank}: all_gather needs the same dtype on every rank, "
+                            f"got {', '.join(f'rank {q} {d}' for q, d in enumerate(dtypes))}")
+    sent = [h[0] // dtype.itemsize for h in headers]
+    for q, h in enumerate(headers):
+        if h[2:] != sent:
+            raise MismatchError(f"rank {rank}: all_gather: rank {q}'s output tensors have "
+                                f"{h[2:]} elements, but the ranks sent {sent}")
+    return [b.view(dtype) for b in blocks]
 
 
 # -- work ---------------------------------------------------------------------------------
@@ -600,19 +665,21 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     def _allreduce(self, tensors: list[torch.Tensor], op: ReduceOp, factor: float) -> Work:
         """The engine's in-place allreduce of each tensor (scaled by ``factor`` first)."""
-        handles = self._each("allreduce", tensors, op, lambda b, t: self.comm.allreduce_async_(
-            b, op, prescale_factor=factor, stream=producer_stream(t)))
+        handles = self._each("allreduce", tensors, op, factor,
+                             lambda b, t, o: self.comm.allreduce_async_(
+                                 b, o, prescale_factor=factor, stream=producer_stream(t)))
         return Work(Pending(handles, lambda: _wait_all(handles)), tensors)
 
-    def _each(self, kind: str, tensors: list[torch.Tensor], op: ReduceOp | None,
-              submit: Callable[[Any, torch.Tensor], Handle]) -> list[Handle]:
-        """Submit ``kind`` (an engine kind) of each tensor, ``submit(buffer, tensor)``,
-        once every tensor is checked and viewed: an error there is announced as the
-        refusal of each submission, so the other ranks fail too."""
+    def _each(self, kind: str, tensors: list[torch.Tensor], op: ReduceOp, factor: float,
+              submit: Callable[[Any, torch.Tensor, ReduceOp], Handle]) -> list[Handle]:
+        """Submit ``kind`` (an engine kind) of each tensor, ``submit(buffer, tensor,
+        op)`` (``op`` as a bool tensor is reduced: :func:`_reducible`), once every
+        tensor is checked and viewed: an error there is announced as the refusal of
+        each submission, so the other ranks fail too."""
         with refusing(self.comm, kind, *[None] * len(tensors)):
-            work = [_uint8_for_bool(t, op, kind) for t in tensors]
-            buffers = [as_buffer(t) for t in work]
-        return [submit(b, t) for b, t in zip(buffers, work)]
+            work = [_reducible(t, op, kind, factor) for t in tensors]
+            buffers = [as_buffer(t) for t, _ in work]
+        return [submit(b, t, o) for b, (t, o) in zip(buffers, work)]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """One fused ``all_reduce`` of every tensor (one collective per dtype)."""
@@ -620,13 +687,15 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         if bitwise is not None:
             return self._bitwise(tensors, bitwise, "all_reduce_coalesced")
         assert op is not None
+        if len({t.dtype == torch.bool for t in tensors}) > 1:  # a bool tensor's sum is an or
+            return self._allreduce(tensors, op, factor)
         comm = self.comm
         with refusing(comm, "grouped_allreduce", None):
-            work = [_uint8_for_bool(t, op, "all_reduce") for t in tensors]
-            buffers = [as_buffer(t) for t in work]
+            work = [_reducible(t, op, "all_reduce", factor) for t in tensors]
+            buffers = [as_buffer(t) for t, _ in work]
         handle = comm.grouped_allreduce_async_(
-            buffers, op, prescale_factor=factor,
-            stream=producer_stream(work[0]) if work else None)
+            buffers, work[0][1] if work else op, prescale_factor=factor,
+            stream=producer_stream(work[0][0]) if work else None)
         return Work(Pending([handle], handle.wait), tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
@@ -689,9 +758,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         """Reduce-scatter each ``(size, n)`` tensor of ``rows`` into its output (row
         ``rank``)."""
         assert op is not None  # (the callers refuse the bitwise ops)
-        handles = self._each("reduce_scatter", rows, op,
-                             lambda b, r: self.comm.reduce_scatter_async(
-                                 b, op, prescale_factor=factor, stream=producer_stream(r)))
+        handles = self._each("reduce_scatter", rows, op, factor,
+                             lambda b, r, o: self.comm.reduce_scatter_async(
+                                 b, o, prescale_factor=factor, stream=producer_stream(r)))
 
         def finish() -> None:
             for output, handle in zip(outputs, handles):
@@ -704,25 +773,32 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     # -- gathers and broadcasts --------------------------------------------------------
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Work:
-        """``all_gather``: ``output_lists[i][r]`` gets rank ``r``'s ``inputs[i]``."""
+        """``all_gather``: ``output_lists[i][r]`` gets rank ``r``'s ``inputs[i]``. Outputs
+        of other sizes than the input (ranks sending tensors of different sizes, which
+        torch's ``all_gather`` allows) gather through :func:`_sized`."""
         comm = self.comm
         with refusing(comm, "allgather", *[None] * len(inputs)):
-            buffers = [as_buffer(_uint8_for_bool(t, None, "all_gather").reshape(1, -1))
-                       for t in inputs]
+            buffers, uneven = [], []
             for outputs, t in zip(output_lists, inputs):
-                if len(outputs) != comm.size or any(o.numel() != t.numel() for o in outputs):
+                if len(outputs) != comm.size or any(o.dtype != t.dtype for o in outputs):
                     raise ArgumentError(f"rank {comm.rank}: all_gather needs {comm.size} output "
-                                        f"tensors of {t.numel()} elements each")
+                                        f"tensors of the input's dtype, {t.dtype}")
+                sizes = [o.numel() for o in outputs]
+                uneven.append(any(n != t.numel() for n in sizes))
+                buffers.append(as_buffer(_sized(t, sizes) if uneven[-1] else
+                                         _bytes_of_bool(t).reshape(1, -1)))
         handles = [comm.allgather_async(b, stream=producer_stream(t))
                    for b, t in zip(buffers, inputs)]
 
         def finish() -> None:
-            for outputs, handle in zip(output_lists, handles):
+            for outputs, handle, t, odd in zip(output_lists, handles, inputs, uneven):
                 gathered = from_buffer(handle.wait())
+                blocks = (_unsized(gathered, t.dtype, comm.rank, comm.size) if odd else
+                          list(gathered))
                 with torch.no_grad():
-                    for r, o in enumerate(outputs):
+                    for o, block in zip(outputs, blocks):
                         target = o.view(torch.uint8) if o.dtype == torch.bool else o
-                        target.copy_(gathered[r].reshape(target.shape))
+                        target.copy_(block.reshape(target.shape))
         return Work(Pending(handles, finish), [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -735,9 +811,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                 raise ArgumentError(f"rank {comm.rank}: all_gather_into_tensor needs an output "
                                     f"of size x {input.numel()} = {input.numel() * comm.size} "
                                     f"elements, got {output.numel()}")
-            buffer = as_buffer(_uint8_for_bool(input, None, "all_gather").reshape(1, -1))
-            out = as_buffer(_uint8_for_bool(_contiguous_view(output, "all_gather_into_tensor"),
-                                            None, "all_gather").view(comm.size, -1))
+            buffer = as_buffer(_bytes_of_bool(input).reshape(1, -1))
+            out = as_buffer(_bytes_of_bool(_contiguous_view(output, "all_gather_into_tensor"))
+                            .view(comm.size, -1))
         handle = comm.allgather_async(buffer, stream=producer_stream(input), out=out)
         return Work(Pending([handle], handle.wait), [output])
 
@@ -761,7 +837,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         root = _opt(opts, "rootRank", 0)
         comm = self.comm
         with refusing(comm, "broadcast", *[None] * len(tensors)):
-            buffers = [as_buffer(_uint8_for_bool(t, None, "broadcast")) for t in tensors]
+            buffers = [as_buffer(_bytes_of_bool(t)) for t in tensors]
         handles = [comm.broadcast_async_(b, root=root, stream=producer_stream(t))
                    for b, t in zip(buffers, tensors)]
         return Work(Pending(handles, lambda: _wait_all(handles)), tensors)

@@ -105,14 +105,39 @@ def test_bitwise_and_bool_reductions(dtype: str) -> None:
         for v in values[1:]:
             want = fold(want, v.astype(dtype))
         check(np.array_equal(t.numpy(), want), f"{op} {dtype}")
-    if dtype == "bool":
-        for op, fold in ((R.MIN, np.logical_and), (R.MAX, np.logical_or)):
+    if dtype == "bool":  # a sum is an or, a product an and, as over gloo and NCCL
+        for op, fold in ((R.MIN, np.logical_and), (R.MAX, np.logical_or),
+                         (R.SUM, np.logical_or), (R.PRODUCT, np.logical_and)):
             t = mine()
             dist.all_reduce(t, op=op)
             want = values[0]
             for v in values[1:]:
                 want = fold(want, v)
             check(np.array_equal(t.numpy(), want), f"{op} bool")
+            t = mine()
+            dist.reduce(t, dst=n - 1, op=op)
+            check(np.array_equal(t.numpy(), want if r == n - 1 else values[r]),
+                  f"reduce {op} bool")
+            block = torch.empty(40 // n if 40 % n == 0 else 0, dtype=torch.bool)
+            if block.numel():
+                dist.reduce_scatter_tensor(block, mine(), op=op)
+                check(np.array_equal(block.numpy(), want[r * block.numel():][:block.numel()]),
+                      f"reduce_scatter_tensor {op} bool")
+        flags, counts = [mine(), mine()], torch.ones(3)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for x in (*flags, counts):  # bool beside float: an or beside a sum
+                dist.all_reduce(x)
+        cm.wait()
+        want = np.logical_or.reduce(values)
+        check(all(np.array_equal(x.numpy(), want) for x in flags) and
+              torch.equal(counts, torch.full((3,), float(n))), "coalesced bool sum")
+        for op in (R.AVG, dist._make_nccl_premul_sum(2.0)):
+            try:
+                dist.all_reduce(mine(), op=op)
+                problem = "no error"
+            except (RuntimeError, TypeError, ValueError) as exc:
+                problem = "" if "bool tensors take" in str(exc) else str(exc)
+            check(not problem, f"bool {op}: {problem}")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -448,7 +473,7 @@ def test_disagreeing_ranks_raise_on_every_rank() -> None:
                 else f"not named as a disagreement: {exc}"
         check(not problem, problem)
     try:  # refused on one rank by its own checks: the others fail too, naming it
-        dist.all_reduce(torch.ones(3, dtype=torch.bool) if last else torch.ones(3))
+        dist.all_reduce(torch.ones(3, dtype=torch.bool) if last else torch.ones(3), op=R.AVG)
         problem = "no error"
     except (RuntimeError, TypeError, ValueError) as exc:
         problem = "" if last or f"rank {n - 1}" in str(exc) else f"does not name the rank: {exc}"
@@ -456,6 +481,53 @@ def test_disagreeing_ranks_raise_on_every_rank() -> None:
     t = torch.ones(3)
     dist.all_reduce(t)
     check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16", "float32", "complex128", "bool"])
+def test_all_gather_of_tensors_of_different_sizes(dtype: str) -> None:
+    """torch's ``all_gather`` takes tensors of other sizes on other ranks (the outputs
+    sized as each rank's input): odd sizes, an empty tensor, 2-D rows; a rank whose
+    outputs are sized otherwise than the ranks send, or ranks sending other dtypes,
+    fail every rank, naming it."""
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def mine(rank: int, count: int) -> Any:
+        if dtype == "bool":
+            return torch.arange(count) % (rank + 2) == 0
+        return tensor(rank, count, dtype)
+
+    counts = [2 * q + 1 for q in range(n)]
+    outs = [torch.empty_like(mine(q, c)) for q, c in enumerate(counts)]
+    dist.all_gather(outs, mine(r, counts[r]))
+    check(all(same(o, mine(q, c)) for q, (o, c) in enumerate(zip(outs, counts))), "odd sizes")
+    rows = [torch.empty(q, 3, dtype=mine(0, 1).dtype) for q in range(n)]  # rank 0's empty
+    work = dist.all_gather(rows, mine(r, 3 * r).reshape(r, 3), async_op=True)
+    work.wait()
+    check(all(same(o, mine(q, 3 * q).reshape(q, 3)) for q, o in enumerate(rows)),
+          "rows, async, an empty tensor")
+    if n == 1:
+        return
+    last = r == n - 1
+    wrong = {"outputs all of the input's size": lambda: (
+                 [torch.empty_like(mine(r, counts[r])) for _ in range(n)] if last else outs,
+                 mine(r, counts[r])),
+             "a rank's sizes swapped": lambda: (outs[::-1] if last else outs,
+                                                mine(r, counts[r])),
+             "another dtype": lambda: ([o.to(torch.float64) for o in outs] if last else outs,
+                                       mine(r, counts[r]).to(torch.float64) if last
+                                       else mine(r, counts[r]))}
+    for what, make in wrong.items():
+        outputs, sent = make()
+        try:
+            dist.all_gather(outputs, sent)
+            problem = "no error"
+        except RuntimeError as exc:
+            problem = "" if isinstance(exc, mt.MismatchError) else f"{type(exc).__name__}: {exc}"
+        check(not problem, f"{what}: {problem}")
+    outs = [torch.empty_like(mine(q, c)) for q, c in enumerate(counts)]
+    dist.all_gather(outs, mine(r, counts[r]))
+    check(all(same(o, mine(q, c)) for q, (o, c) in enumerate(zip(outs, counts))), "after")
 
 
 @pytest.mark.mpi(min_size=2)
