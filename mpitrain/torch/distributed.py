@@ -714,8 +714,12 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> Work:
         """``reduce_scatter``: ``outputs[i]`` gets the reduction of every rank's
-        ``input_lists[i][rank]``."""
+        ``input_lists[i][rank]``. Inputs of different sizes (rank ``q``'s output sized
+        as ``input_lists[i][q]``, which torch allows) are reduced one by one
+        (:meth:`_reduce_scatter_uneven`)."""
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        if any(len({t.numel() for t in inputs}) > 1 for inputs in input_lists):
+            return self._reduce_scatter_uneven(outputs, input_lists, op, factor, bitwise)
         comm = self.comm
         with refusing(comm, "reduce_scatter", *[None] * len(outputs)):
             if bitwise is not None:
@@ -727,6 +731,38 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                                         f"input tensors of {output.numel()} elements each")
                 stacked.append(torch.stack([t.reshape(-1) for t in inputs]))
         return self._reduce_scatter_rows(outputs, stacked, op, factor)
+
+    def _reduce_scatter_uneven(self, outputs: list[torch.Tensor],
+                               input_lists: list[list[torch.Tensor]], op: ReduceOp | None,
+                               factor: float, bitwise: Any) -> Work:
+        """``reduce_scatter`` of inputs of different sizes: one out-of-place allreduce of
+        each input (fused by the engine, and each checked across ranks for its shape and
+        dtype, so ranks that size them otherwise fail every rank), this rank's result
+        copied into its output."""
+        comm = self.comm
+        with refusing(comm, "allreduce", *[None] * (comm.size * len(outputs))):
+            if bitwise is not None or op is None:
+                raise UnsupportedError("reduce_scatter with a bitwise op: use all_reduce")
+            for output, inputs in zip(outputs, input_lists):
+                if len(inputs) != comm.size or inputs[comm.rank].numel() != output.numel():
+                    raise ArgumentError(
+                        f"rank {comm.rank}: reduce_scatter needs {comm.size} input tensors, "
+                        f"the one of rank {comm.rank} of the output's {output.numel()} "
+                        f"elements, got {[t.numel() for t in inputs]}")
+            work = [_reducible(t, op, "reduce_scatter", factor)
+                    for inputs in input_lists for t in inputs]
+            buffers = [as_buffer(t) for t, _ in work]
+        handles = [comm.allreduce_async(b, o, prescale_factor=factor, stream=producer_stream(t))
+                   for b, (t, o) in zip(buffers, work)]
+
+        def finish() -> None:
+            _wait_all(handles)
+            for i, output in enumerate(outputs):
+                block = from_buffer(handles[i * comm.size + comm.rank].wait())
+                with torch.no_grad():
+                    target = output.view(torch.uint8) if output.dtype == torch.bool else output
+                    target.copy_(block.reshape(target.shape))
+        return Work(Pending(handles, finish), outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> Work:

@@ -530,6 +530,54 @@ def test_all_gather_of_tensors_of_different_sizes(dtype: str) -> None:
     check(all(same(o, mine(q, c)) for q, (o, c) in enumerate(zip(outs, counts))), "after")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["int64", "bfloat16", "float32", "bool"])
+def test_reduce_scatter_of_tensors_of_different_sizes(dtype: str) -> None:
+    """torch's ``reduce_scatter`` takes a list of inputs of different sizes (rank ``q``'s
+    output sized as the ``q``-th); ranks that size them otherwise, or a rank whose
+    output is of another size, fail every rank."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    sizes = [q + 1 for q in range(n)] if n > 1 else [2, 3]  # (one rank: a list of one)
+    sizes = sizes[:n]
+    if len(set(sizes)) == 1:  # one rank: nothing uneven to scatter
+        return
+
+    def inputs(rank: int) -> list[Any]:
+        if dtype == "bool":
+            return [torch.arange(c) % (rank + q + 2) == 0 for q, c in enumerate(sizes)]
+        return [tensor(rank + q, c, dtype) for q, c in enumerate(sizes)]
+
+    mine = inputs(r)
+    before = [t.clone() for t in mine]
+    out = torch.empty_like(mine[r])
+    dist.reduce_scatter(out, mine)
+    if dtype == "bool":
+        want = torch.zeros_like(out)
+        for q in range(n):
+            want |= inputs(q)[r]
+    else:
+        want = sum(inputs(q)[r] for q in range(n)).to(out.dtype)
+    check(same(out, want), "uneven reduce_scatter")
+    check(all(same(a, b) for a, b in zip(mine, before)), "inputs unchanged")
+    last = r == n - 1
+    wrong = {"a rank's sizes swapped": lambda: (torch.empty_like(mine[r]),
+                                                mine[::-1] if last else mine),
+             "a rank's output of another size": lambda: (
+                 torch.empty(sizes[r] + 1, dtype=out.dtype) if last else torch.empty_like(out),
+                 mine)}
+    for what, make in wrong.items():
+        output, sent = make()
+        try:
+            dist.reduce_scatter(output, sent)
+            problem = "no error"
+        except (RuntimeError, ValueError) as exc:  # (the last rank's own ArgumentError)
+            problem = "" if last or f"rank {n - 1}" in str(exc) else f"does not name it: {exc}"
+        check(not problem, f"{what}: {problem}")
+    out = torch.empty_like(mine[r])
+    dist.reduce_scatter(out, mine)
+    check(same(out, want), "after")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_root_without_a_tensor_per_rank_fails_every_rank() -> None:
     """gather's root with too few outputs, scatter's with too few inputs: every rank
