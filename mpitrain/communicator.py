@@ -284,6 +284,17 @@ class Communicator:
             self._joined_error("barrier")
         self.dispatcher.barrier()
 
+    def rendezvous(self, what: str) -> None:
+        """A barrier counted as the collective ``what``: validated against the other
+        ranks' calls (a rank in another collective gets MismatchError), watched by the
+        stall inspector; for adapters that run MPI's own collectives after it."""
+        self.dispatcher.rendezvous(what)
+
+    def check_root(self, root: Any) -> None:
+        """Raise :class:`~mpitrain.ArgumentError` if ``root`` is not a rank of this
+        communicator (the check of every rooted collective's ``root``)."""
+        self.dispatcher.checks.root(root)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return the root's ``obj`` (any picklable object) on every rank."""
         if self._engine is not None and self._engine.joined:

@@ -79,7 +79,7 @@ def agreed(comm: Communicator, exchange: Callable[[Any], list[Any]], rank: int, 
             rank, if the ranks called different collectives.
         StallError: on the ranks that waited past the stall timeout for the others.
     """
-    comm.dispatcher.rendezvous(what)
+    comm.rendezvous(what)
     failure: Exception | None = None
     try:
         value, part = prepare()

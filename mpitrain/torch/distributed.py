@@ -302,7 +302,7 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
                   lists: list[list[torch.Tensor]], lists_are: str) -> None:
     """The argument checks of gather and scatter: a valid root, one tensor of this rank,
     and at the root one list of a tensor per rank."""
-    comm.dispatcher.checks.root(root)
+    comm.check_root(root)
     if len(mine) != 1:
         raise ArgumentError(f"rank {comm.rank}: {what} takes one {mine_is} tensor")
     if comm.rank == root and (len(lists) != 1 or len(lists[0]) != comm.size):
@@ -703,7 +703,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         stay as they were (reduced through copies)."""
         root = _opt(opts, "rootRank", 0)
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
-        self.comm.dispatcher.checks.root(root)
+        self.comm.check_root(root)
         sources = tensors if self.comm.rank == root else [t.clone() for t in tensors]
         if bitwise is not None:
             return self._bitwise(sources, bitwise, "reduce", tensors)

@@ -1014,7 +1014,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     def prepare() -> tuple[int, None]:
         root = _sets.set_rank(process_set, root_rank, "broadcast_object")
-        comm.dispatcher.checks.root(root)
+        comm.check_root(root)
         return root, None
 
     root, _ = _agreed(comm, comm.allgather_object, "broadcast_object", prepare)
