@@ -300,7 +300,8 @@ class Inspector:
         if self.warning_s and not self._warned and waited >= self.warning_s:
             self._warned = True
             self._queue.append(Survey(lambda peers: warn(
-                describe(self.rank, collective, seq, waited, peers))))
+                describe(self.rank, collective, seq, waited, peers), self.timeout_s,
+                self.action)))
         if (self.timeout_s and self.action == "abort" and not self._aborting
                 and waited >= self.timeout_s):
             self._aborting = True
@@ -347,10 +348,16 @@ def _text(field: bytes) -> str:
     return field.rstrip(b"\0").decode(errors="replace")
 
 
-def warn(report: str) -> None:
-    """Log the stall report of :func:`describe` as a warning."""
-    log.warning("mpitrain %s. Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into "
-                "mpitrain.StallError.", report)
+def warn(report: str, timeout_s: float = 0.0, action: str = "raise") -> None:
+    """Log the stall report of :func:`describe` as a warning, with what follows: the
+    stall timeout's action (``timeout_s``), or how to set one."""
+    if not timeout_s:
+        then = "Set MPITRAIN_STALL_TIMEOUT_S to turn a stall into mpitrain.StallError"
+    elif action == "abort":
+        then = f"At {timeout_s:g} s (the stall timeout) the job is aborted"
+    else:
+        then = f"At {timeout_s:g} s (the stall timeout) it raises mpitrain.StallError"
+    log.warning("mpitrain %s. %s.", report, then)
 
 
 def abort(message: str) -> None:

@@ -48,6 +48,21 @@ def test_a_reply_carries_long_and_non_ascii_names_cut_to_its_fields() -> None:
     assert inspector._text(got_elsewhere) == "w" * inspector._ELSEWHERE_BYTES
 
 
+def test_the_warning_says_what_the_stall_timeout_will_do(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stall warning says when the configured timeout ends the wait (a group's
+    ``init_process_group(timeout=...)`` sets one), and how to set one where none is."""
+    caplog.set_level("WARNING", logger="mpitrain")
+    for timeout_s, action, said in ((0.0, "raise", "Set MPITRAIN_STALL_TIMEOUT_S"),
+                                    (5.0, "raise", "At 5 s (the stall timeout) it raises"),
+                                    (2.5, "abort", "At 2.5 s (the stall timeout) the job")):
+        caplog.clear()
+        inspector.warn("rank 0: barrier has waited 1 s", timeout_s, action)
+        message = caplog.records[-1].getMessage()
+        assert message.startswith("mpitrain rank 0: barrier has waited 1 s. ") and said in message
+        assert ("MPITRAIN_STALL_TIMEOUT_S" in message) == (timeout_s == 0.0), message
+
+
 def test_stall_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPITRAIN_STALL_TIMEOUT_S", "off")
     assert config.STALL_TIMEOUT_S.get() == 0.0
