@@ -228,6 +228,10 @@ def test_gather_scatter_all_to_all_and_uneven_splits(counting: str,
     dist.all_to_all(outs, [torch.full((2,), float(10 * r + s)) for s in range(n)])
     check(all(torch.equal(o, torch.full((2,), float(10 * s + r))) for s, o in enumerate(outs)),
           "all_to_all")
+    outs = [torch.empty(r + s + 1, dtype=torch.complex64) for s in range(n)]  # uneven
+    dist.all_to_all(outs, [torch.full((s + r + 1,), complex(r, s)) for s in range(n)])
+    check(all(torch.equal(o, torch.full((r + s + 1,), complex(s, r))) for s, o in enumerate(outs)),
+          "all_to_all of tensors of different sizes")
     # uneven: rank r sends s + r + 1 rows of 3 to rank s
     sends = [s + r + 1 for s in range(n)]
     receives = [r + s + 1 for s in range(n)]
