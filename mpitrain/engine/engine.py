@@ -72,7 +72,7 @@ from ..errors import ArgumentError, CommunicationError, MismatchError, StallErro
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
 from .negotiation import NONAME, Agreement, Negotiator, Signatures
-from .request import Entry, Handle, Request, Spec, Waiters, complete_all
+from .request import Entry, Handle, Request, Spec, Waiters, complete_all, release_names
 
 _SPEC_CACHE_SIZE = 4096
 REFUSED = "refused"
@@ -824,7 +824,7 @@ class Engine:
             self._finish([request])
 
     def _release_name(self, name: str) -> None:
-        """The caller has seen the operation named ``name`` finish (its handle)."""
+        """The operation named ``name`` is done: the name may be submitted again."""
         with self._cond:
             self._in_flight.discard(name)
 
@@ -832,6 +832,7 @@ class Engine:
         """Hand out the requests' results (or errors); their callbacks are called after
         the cycle (:meth:`_call_back`)."""
         self.stats.operations += len(requests)
+        release_names(requests)  # first: a caller that sees one done may submit its name
         complete_all(requests)
         self._waiters.notify()
         due = self._waiters.take_callbacks(requests)

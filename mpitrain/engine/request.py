@@ -112,7 +112,7 @@ class Handle:
     started_at: float | None
     finished_at: float | None
     _waiters: Waiters
-    _release: Callable[[str], None] | None  # frees the name once the caller saw the result
+    _release: Callable[[str], None] | None  # frees a given name once the operation is done
     _done: bool
     _result: Any
     _callbacks: list[Callable[[Handle], None]] | None  # None once they have been taken
@@ -126,8 +126,6 @@ class Handle:
         """
         if not self._done:
             self._waiters.wait(self)
-        if self._release is not None:
-            self._observed()
         if self.error is not None:
             raise self.error
         return self._result
@@ -149,22 +147,14 @@ class Handle:
         intervals (5 ms each), so each small operation it waited on took milliseconds.
         """
         if self._done:
-            self._observed()
             return True
         time.sleep(0)
         return False
 
-    def _observed(self) -> None:
-        """The caller has seen the operation done: its name may be submitted again."""
-        release, self._release = self._release, None
-        if release is not None:
-            release(self.name)
-
     @property
     def done(self) -> bool:
-        """Whether the operation is done, as :meth:`test` says, but without its effects:
-        it neither lets the name be submitted again nor lets go of the GIL (the engine
-        reads it inside its cycle)."""
+        """Whether the operation is done, as :meth:`test` says, but without letting go
+        of the GIL (the engine reads it inside its cycle)."""
         return self._done
 
     def __repr__(self) -> str:
@@ -278,6 +268,17 @@ class Request(Handle):
     def backend(self) -> ArrayBackend:
         """The array library of the request's (first) array."""
         return self.spec.backend
+
+
+def release_names(requests: list[Request]) -> None:
+    """Let the names given to these finished requests be submitted again (as Horovod
+    frees a name once its operation is done, whether or not its handle was waited on).
+    Called without the engine's lock, which the release takes, and before the requests
+    are marked done, so that a caller who sees one done finds its name free."""
+    for request in requests:
+        release, request._release = request._release, None
+        if release is not None:
+            release(request.name)
 
 
 def complete_all(requests: list[Request]) -> None:
