@@ -289,9 +289,12 @@ class Negotiator:
                     if now - t >= self.warning_s and n not in self.warned]
             if late:
                 self.warned.update(late)
-                log.warning("mpitrain rank %d: %s. Set MPITRAIN_STALL_TIMEOUT_S to give up "
-                            "such operations with mpitrain.StallError.", self.rank,
-                            self._unsubmitted(late, now))
+                then = (f"At {self.timeout_s:g} s (the stall timeout) they are given up "
+                        "with mpitrain.StallError" if self.timeout_s else
+                        "Set MPITRAIN_STALL_TIMEOUT_S to give up such operations with "
+                        "mpitrain.StallError")
+                log.warning("mpitrain rank %d: %s. %s.", self.rank,
+                            self._unsubmitted(late, now), then)
         expire = -1
         if self.timeout_s:
             for cycle, t in born.values():  # in order of birth

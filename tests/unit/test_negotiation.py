@@ -133,6 +133,7 @@ def test_stalled_names_are_reported_then_given_up(caplog: Any,
     (record,) = caplog.records
     assert "'old' (allreduce sum float32[4]) has waited 6 s for rank(s) [1, 2]" in record.message
     assert "'new' (allreduce sum float32[4]) has waited 2 s for rank(s) [0]" in record.message
+    assert "At 5 s (the stall timeout) they are given up" in record.message
     clock[0] += STALL_CHECK_S / 2
     assert neg._check_stalls([]) == -1  # looked at most every STALL_CHECK_S
     clock[0] += STALL_CHECK_S / 2
