@@ -459,6 +459,14 @@ class Communicator:
         """
         return self.engine().batch()
 
+    def waited(self) -> ContextManager[None]:
+        """A block whose async submissions this thread waits for as soon as it ends: the
+        waiting thread runs their cycle, so they do not wake the engine's progress
+        thread (which costs a thread switch on a rank with one core). The
+        torch.distributed backend's blocking calls submit in one. Starts the async
+        engine if need be (collective then)."""
+        return self.engine().waited()
+
     def async_stats(self) -> EngineStats:
         """Counters of the async engine (cycles, collectives, fused arrays, ...)."""
         return self.engine().snapshot()

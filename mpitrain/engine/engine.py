@@ -161,6 +161,7 @@ class Engine:
         self._incoming: list[Request] = []
         self._due: list[tuple[Callable[[Handle], None], Handle]] = []  # callbacks to call
         self._batches = 0  # open batch() blocks: the progress thread leaves _incoming alone
+        self._unrung = threading.local()  # .on: this thread is in a waited() block
         self._in_flight: set[str] = set()
         self._counters: defaultdict[str, Iterator[int]] = defaultdict(count)
         self._specs: dict[tuple[Any, ...], Spec] = {}
@@ -401,7 +402,7 @@ class Engine:
             if name is not None:
                 self._in_flight.add(name)
             self._incoming.append(request)
-            if not self._batches:
+            if not self._batches and not getattr(self._unrung, "on", False):
                 self._wake(settle=True)
         return request
 
@@ -421,6 +422,27 @@ class Engine:
                 self._batches -= 1
                 if not self._batches and self._incoming:
                     self._wake()
+
+    @contextlib.contextmanager
+    def waited(self) -> Iterator[None]:
+        """Submissions this thread makes in the block do not ring the progress thread's
+        doorbell: the caller promises to wait for them as soon as the block ends, and
+        its ``wait()`` runs their cycle itself (:meth:`_drive`), as it would have
+        anyway. On a rank whose threads share one core, the woken thread took the core
+        from the caller in the middle of its work between submitting and waiting (a
+        blocking ``torch.distributed`` call's); a block that raises rings, so that what
+        it submitted is not left to a wait that never comes."""
+        local = self._unrung
+        local.on = True
+        try:
+            yield
+        except BaseException:
+            local.on = False
+            with self._cond:
+                if self._incoming and not self._batches:
+                    self._wake()
+            raise
+        local.on = False
 
     def _check_open(self) -> None:
         if self._closed is not None:

@@ -91,9 +91,8 @@ class Waiters:
 class Handle:
     """A collective in flight: ``wait()`` for its result, ``test()`` to poll it.
 
-    A given name stays in flight until the caller has seen its operation finish
-    (``wait()`` returned or raised, or ``test()`` returned True); only then may the
-    name be submitted again.
+    A given name stays in flight until its operation is done (or failed); then it may
+    be submitted again, whether or not the handle was waited on.
 
     Handles are made by the async calls (each is the engine's :class:`Request`).
 

@@ -58,7 +58,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 from urllib.parse import parse_qs, urlparse
 
 import numpy as np
@@ -661,7 +661,16 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         if bitwise is not None:
             return self._bitwise(tensors, bitwise, "all_reduce")
         assert op is not None
-        return self._allreduce(tensors, op, factor)
+        with self._submitting(opts):
+            return self._allreduce(tensors, op, factor)
+
+    def _submitting(self, opts: Any) -> ContextManager[None]:
+        """Where a call's engine submissions are made: torch waits for the Work of a
+        blocking call (``opts.asyncOp`` False) at once, so they need not wake the
+        engine's thread (:meth:`~mpitrain.Communicator.waited`)."""
+        if _opt(opts, "asyncOp", True) is False:
+            return self.comm.waited()
+        return contextlib.nullcontext()
 
     def _allreduce(self, tensors: list[torch.Tensor], op: ReduceOp, factor: float) -> Work:
         """The engine's in-place allreduce of each tensor (scaled by ``factor`` first)."""
@@ -688,14 +697,16 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
             return self._bitwise(tensors, bitwise, "all_reduce_coalesced")
         assert op is not None
         if len({t.dtype == torch.bool for t in tensors}) > 1:  # a bool tensor's sum is an or
-            return self._allreduce(tensors, op, factor)
+            with self._submitting(opts):
+                return self._allreduce(tensors, op, factor)
         comm = self.comm
         with refusing(comm, "grouped_allreduce", None):
             work = [_reducible(t, op, "all_reduce", factor) for t in tensors]
             buffers = [as_buffer(t) for t, _ in work]
-        handle = comm.grouped_allreduce_async_(
-            buffers, work[0][1] if work else op, prescale_factor=factor,
-            stream=producer_stream(work[0][0]) if work else None)
+        with self._submitting(opts):
+            handle = comm.grouped_allreduce_async_(
+                buffers, work[0][1] if work else op, prescale_factor=factor,
+                stream=producer_stream(work[0][0]) if work else None)
         return Work(Pending([handle], handle.wait), tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
@@ -708,7 +719,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         if bitwise is not None:
             return self._bitwise(sources, bitwise, "reduce", tensors)
         assert op is not None
-        inner = self._allreduce(sources, op, factor)
+        with self._submitting(opts):
+            inner = self._allreduce(sources, op, factor)
         return Work(inner._pending, tensors)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
@@ -823,8 +835,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                 uneven.append(any(n != t.numel() for n in sizes))
                 buffers.append(as_buffer(_sized(t, sizes) if uneven[-1] else
                                          _bytes_of_bool(t).reshape(1, -1)))
-        handles = [comm.allgather_async(b, stream=producer_stream(t))
-                   for b, t in zip(buffers, inputs)]
+        with self._submitting(opts):
+            handles = [comm.allgather_async(b, stream=producer_stream(t))
+                       for b, t in zip(buffers, inputs)]
 
         def finish() -> None:
             for outputs, handle, t, odd in zip(output_lists, handles, inputs, uneven):
@@ -850,7 +863,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
             buffer = as_buffer(_bytes_of_bool(input).reshape(1, -1))
             out = as_buffer(_bytes_of_bool(_contiguous_view(output, "all_gather_into_tensor"))
                             .view(comm.size, -1))
-        handle = comm.allgather_async(buffer, stream=producer_stream(input), out=out)
+        with self._submitting(opts):
+            handle = comm.allgather_async(buffer, stream=producer_stream(input), out=out)
         return Work(Pending([handle], handle.wait), [output])
 
     _allgather_base = all_gather_single  # (torch < 2.12)
@@ -874,8 +888,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         comm = self.comm
         with refusing(comm, "broadcast", *[None] * len(tensors)):
             buffers = [as_buffer(_bytes_of_bool(t)) for t in tensors]
-        handles = [comm.broadcast_async_(b, root=root, stream=producer_stream(t))
-                   for b, t in zip(buffers, tensors)]
+        with self._submitting(opts):
+            handles = [comm.broadcast_async_(b, root=root, stream=producer_stream(t))
+                       for b, t in zip(buffers, tensors)]
         return Work(Pending(handles, lambda: _wait_all(handles)), tensors)
 
     # -- MPI's own collectives ---------------------------------------------------------

@@ -585,6 +585,34 @@ def test_waiting_inside_a_batch_runs_the_cycle(comm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_submissions_waited_for_at_once(comm: mt.Communicator) -> None:
+    """``waited()``: submissions that do not wake the engine's thread run in the cycle
+    their caller's wait drives, beside ranks that submit the same operation without it,
+    and an async operation in flight on the thread; a block that raises wakes the
+    thread, which runs what it submitted although nobody waits."""
+    busy = comm.allreduce_async(np.full(4, 1.0), name="waited/busy")
+    if comm.rank % 2:
+        with comm.waited():
+            h = comm.allreduce_async(np.full(5, comm.rank + 1.0))
+    else:
+        h = comm.allreduce_async(np.full(5, comm.rank + 1.0))
+    assert_equal_all_ranks(comm, h.wait(), np.full(5, comm.size * (comm.size + 1) / 2),
+                           "waited and not, mixed")
+    assert_equal_all_ranks(comm, busy.wait(), np.full(4, float(comm.size)), "in flight")
+    try:
+        with comm.waited():
+            left = comm.allreduce_async(np.full(2, 3, np.int32), name="waited/left")
+            raise KeyError("before the wait")
+    except KeyError:
+        pass
+    deadline = time.monotonic() + 60
+    while not left.done:  # nobody waits: the engine's thread runs it
+        assert time.monotonic() < deadline, "a raising block's submission never ran"
+        time.sleep(0.001)
+    assert_equal_all_ranks(comm, left.wait(), np.full(2, 3 * comm.size, np.int32), "left")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_unnamed_runs_cut_differently_per_rank(comm: mt.Communicator) -> None:
     """Unnamed submissions are announced as runs (one item per burst of one spec). Here
     rank 0 submits everything in one burst while the other ranks pause inside it, so
