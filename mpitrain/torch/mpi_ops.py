@@ -208,6 +208,15 @@ def _comm(process_set: ProcessSet | None = None) -> Communicator:
     return _sets.communicator(process_set)
 
 
+def _now(process_set: ProcessSet | None, start: Callable[..., Pending], *args: Any) -> Any:
+    """``start(*args).wait()``: an operation its caller waits for at once, so its
+    submissions need not wake the engine's thread (:meth:`Communicator.waited`; the
+    torch.distributed backend's blocking calls go the same way)."""
+    with _comm(process_set).waited():
+        pending = start(*args)
+    return pending.wait()
+
+
 def _control(process_set: ProcessSet | None = None) -> MPI.Intracomm:
     """The adapter's duplicate communicator (of ``process_set``'s, default the global
     set's), created (collectively) on first use."""
@@ -395,8 +404,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place and return it (not differentiable)."""
-    return _allreduce_start(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                            process_set, average).wait()
+    return _now(process_set, _allreduce_start, tensor, tensor, name, op, prescale_factor,
+                postscale_factor, process_set, average)
 
 
 class _Untracked:
@@ -441,15 +450,15 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return _allreduce_start(tensor, None, name, op, prescale, postscale,
-                                process_set).wait()
+        return _now(process_set, _allreduce_start, tensor, None, name, op, prescale, postscale,
+                    process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "allreduce")
-        reduced = _allreduce_start(grad.contiguous(), None, None, op, prescale, postscale,
-                                   process_set).wait()
+        reduced = _now(process_set, _allreduce_start, grad.contiguous(), None, None, op, prescale,
+                       postscale, process_set)
         return reduced, None, None, None, None, None
 
 
@@ -537,8 +546,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor in place, fused; returns the tensors."""
-    return _grouped_start(tensors, True, name, op, prescale_factor, postscale_factor,
-                          process_set, average).wait()
+    return _now(process_set, _grouped_start, tensors, True, name, op, prescale_factor,
+                postscale_factor, process_set, average)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -548,15 +557,15 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(_grouped_start(tensors, False, name, op, prescale, postscale,
-                                    process_set).wait())
+        return tuple(_now(process_set, _grouped_start, tensors, False, name, op, prescale,
+                          postscale, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "grouped_allreduce")
-        reduced = _grouped_start([g.contiguous() for g in grads], False, None, op, prescale,
-                                 postscale, process_set).wait()
+        reduced = _now(process_set, _grouped_start, [g.contiguous() for g in grads], False, None,
+                       op, prescale, postscale, process_set)
         return (None, None, None, None, None, *reduced)
 
 
@@ -630,14 +639,14 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 process_set: ProcessSet) -> torch.Tensor:
-        pending = _allgather_start(tensor, name, process_set)  # checks it on every rank
-        ctx.shape, ctx.process_set = tensor.shape, process_set
-        return pending.wait()
+        gathered = _now(process_set, _allgather_start, tensor, name, process_set)  # checks it
+        ctx.shape, ctx.process_set = tensor.shape, process_set  # on every rank first
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        averaged = _allreduce_start(grad.contiguous(), None, None, Average, 1.0, 1.0,
-                                    ctx.process_set).wait()
+        averaged = _now(ctx.process_set, _allreduce_start, grad.contiguous(), None, None, Average,
+                        1.0, 1.0, ctx.process_set)
         mine = ctx.shape[0] if len(ctx.shape) else 1
         comm = _comm(ctx.process_set)
         offset = sum(comm.allgather_object(mine)[:comm.rank])
@@ -699,7 +708,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with the root's and return it (not differentiable)."""
-    return _broadcast_start(tensor, root_rank, name, True, process_set).wait()
+    return _now(process_set, _broadcast_start, tensor, root_rank, name, True, process_set)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -709,12 +718,12 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
                 process_set: ProcessSet) -> Any:
         ctx.root, ctx.process_set = root_rank, process_set
-        return _broadcast_start(tensor, root_rank, name, False, process_set).wait()
+        return _now(process_set, _broadcast_start, tensor, root_rank, name, False, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        averaged = _allreduce_start(grad.contiguous(), None, None, Average, 1.0, 1.0,
-                                    ctx.process_set).wait()
+        averaged = _now(ctx.process_set, _allreduce_start, grad.contiguous(), None, None, Average,
+                        1.0, 1.0, ctx.process_set)
         mine = averaged if rank() == ctx.root else torch.zeros_like(averaged)
         return mine, None, None, None
 
@@ -786,14 +795,14 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return _reducescatter_start(tensor, name, op, prescale, postscale,
-                                    process_set).wait()
+        return _now(process_set, _reducescatter_start, tensor, name, op, prescale, postscale,
+                    process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, prescale, postscale, process_set = ctx.args
         _linear(op, "reducescatter")
-        gathered = _allgather_start(grad.contiguous(), None, process_set).wait()
+        gathered = _now(process_set, _allgather_start, grad.contiguous(), None, process_set)
         scale = _gradient_scale(op, prescale, postscale, _comm(process_set).size)
         return gathered * scale, None, None, None, None, None
 
