@@ -321,6 +321,7 @@ this (the widest dtype's size), so that each is viewed as its dtype without a co
 
 
 def _header_bytes(size: int) -> int:
+    """The bytes of :func:`_sized`'s header in a group of ``size`` ranks, padded."""
     return -(-8 * (2 + size) // _ALIGN) * _ALIGN
 
 
