@@ -104,14 +104,13 @@ class Handle:
         error: why the operation failed (what ``wait()`` raises), else ``None``.
     """
 
-    __slots__ = ("_callbacks", "_done", "_release", "_result", "_waiters", "error",
+    __slots__ = ("_callbacks", "_done", "_result", "_waiters", "error",
                  "finished_at", "name", "started_at", "submitted_at")
     name: str
     submitted_at: float
     started_at: float | None
     finished_at: float | None
     _waiters: Waiters
-    _release: Callable[[str], None] | None  # frees a given name once the operation is done
     _done: bool
     _result: Any
     _callbacks: list[Callable[[Handle], None]] | None  # None once they have been taken
@@ -235,8 +234,9 @@ class Request(Handle):
     the engine waits for it before it reads them.
     """
 
-    __slots__ = ("array", "entries", "nbytes", "output", "ready", "serial", "spec",
-                 "unfinished")
+    __slots__ = ("_release", "array", "entries", "nbytes", "output", "ready", "serial",
+                 "spec", "unfinished")
+    _release: Callable[[str], None] | None  # frees a given name once the operation is done
 
     def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
                  serial: int = -1, release: Callable[[str], None] | None = None,
@@ -244,7 +244,6 @@ class Request(Handle):
         # the handle's part
         self.name = name
         self._waiters = waiters
-        self._release = release
         self.submitted_at = time.perf_counter()
         self.started_at = None
         self.finished_at = None
@@ -253,6 +252,7 @@ class Request(Handle):
         self._callbacks = []
         self.error = None
         # the operation's part
+        self._release = release
         self.spec, self.serial, self.entries = spec, serial, entries
         self.array, self.output = array, output
         self.ready = ready  # device arrays: an event after the work that produced them
