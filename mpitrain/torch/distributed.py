@@ -732,7 +732,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         (:meth:`_reduce_scatter_uneven`)."""
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
         if any(len({t.numel() for t in inputs}) > 1 for inputs in input_lists):
-            return self._reduce_scatter_uneven(outputs, input_lists, op, factor, bitwise)
+            with self._submitting(opts):
+                return self._reduce_scatter_uneven(outputs, input_lists, op, factor, bitwise)
         comm = self.comm
         with refusing(comm, "reduce_scatter", *[None] * len(outputs)):
             if bitwise is not None:
@@ -743,7 +744,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                     raise ArgumentError(f"rank {comm.rank}: reduce_scatter needs {comm.size} "
                                         f"input tensors of {output.numel()} elements each")
                 stacked.append(torch.stack([t.reshape(-1) for t in inputs]))
-        return self._reduce_scatter_rows(outputs, stacked, op, factor)
+        with self._submitting(opts):
+            return self._reduce_scatter_rows(outputs, stacked, op, factor)
 
     def _reduce_scatter_uneven(self, outputs: list[torch.Tensor],
                                input_lists: list[list[torch.Tensor]], op: ReduceOp | None,
@@ -790,7 +792,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                                     f"size x {output.numel()} = {output.numel() * comm.size} "
                                     f"elements, got {input.numel()}")
             rows = _contiguous_view(input, "reduce_scatter_tensor").reshape(comm.size, -1)
-        return self._reduce_scatter_rows([output], [rows], op, factor)
+        with self._submitting(opts):
+            return self._reduce_scatter_rows([output], [rows], op, factor)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (torch < 2.12)
 
