@@ -310,9 +310,10 @@ def _check_rooted(comm: Any, root: int, what: str, mine: list[torch.Tensor], min
                             f"{lists_are} tensors")
 
 
-_DTYPES = tuple(dict.fromkeys(d for d in vars(torch).values() if isinstance(d, torch.dtype)))
-"""torch's dtypes, in one order on every rank (a dtype's index is its code in
-:func:`_sized`'s header)."""
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)},
+                      key=str))
+"""torch's dtypes, sorted by name: one order on every rank, whatever each imported
+before (a dtype's index is its code in :func:`_sized`'s header)."""
 
 
 _ALIGN = 16
