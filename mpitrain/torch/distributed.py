@@ -829,8 +829,22 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         """``all_gather``: ``output_lists[i][r]`` gets rank ``r``'s ``inputs[i]``. Outputs
         of other sizes than the input (ranks sending tensors of different sizes, which
         torch's ``all_gather`` allows) gather through :func:`_sized`."""
+        return self._allgather(output_lists, inputs, opts)
+
+    def _allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                   opts: Any, by_rank: bool = False) -> Work:
+        """:meth:`allgather`; ``by_rank``: ``output_lists[r][i]`` gets rank ``r``'s
+        ``inputs[i]`` (``all_gather_coalesced``'s order) instead."""
         comm = self.comm
         with refusing(comm, "allgather", *[None] * len(inputs)):
+            if by_rank:
+                if len(output_lists) != comm.size or any(len(outs) != len(inputs)
+                                                         for outs in output_lists):
+                    raise ArgumentError(
+                        f"rank {comm.rank}: all_gather_coalesced needs {comm.size} output "
+                        f"lists (one per rank) of {len(inputs)} tensors (one per input), "
+                        f"got {[len(outs) for outs in output_lists]}")
+                output_lists = [list(outs) for outs in zip(*output_lists)]
             buffers, uneven = [], []
             for outputs, t in zip(output_lists, inputs):
                 if len(outputs) != comm.size or any(o.dtype != t.dtype for o in outputs):
@@ -884,8 +898,9 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        """``all_gather`` of each input, together."""
-        return self.allgather(output_lists, inputs, opts)
+        """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank ``r``'s
+        ``inputs[i]`` (one list per rank, unlike :meth:`allgather`'s one per input)."""
+        return self._allgather(output_lists, inputs, opts, by_rank=True)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """``broadcast`` from ``rootRank``, in place."""

@@ -535,6 +535,44 @@ def test_all_gather_of_tensors_of_different_sizes(dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+def test_all_gather_coalesced_fills_one_list_per_rank() -> None:
+    """``all_gather_coalesced(output_lists, inputs)``: ``output_lists[q][i]`` is rank
+    ``q``'s ``inputs[i]`` (one list per rank, the transpose of ``all_gather``'s lists);
+    as many inputs as ranks, of one shape, so a transposed result would fit too. A rank
+    whose lists are not one per rank fails every rank."""
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def inputs(rank: int) -> list[Any]:
+        return [tensor(rank * n + i, 3, "float32") for i in range(n)]
+
+    outputs = [[torch.empty(3) for _ in range(n)] for _ in range(n)]
+    dist.all_gather_coalesced(outputs, inputs(r))
+    check(all(torch.equal(outputs[q][i], inputs(q)[i]) for q in range(n) for i in range(n)),
+          "outputs[q][i] = rank q's input i")
+    def pairs(rank: int) -> list[Any]:  # (torch wants one dtype for every input)
+        return [torch.view_as_complex(tensor(rank, 2 * c, "float64").reshape(-1, 2, 2))
+                for c in (2, 6)]
+
+    mixed = pairs(r)
+    outputs = [[torch.empty_like(t) for t in mixed] for _ in range(n)]
+    dist.all_gather_coalesced(outputs, mixed, async_op=True).wait()
+    want = [pairs(q) for q in range(n)]
+    check(all(same(outputs[q][i], want[q][i]) for q in range(n) for i in range(2)),
+          "two shapes, complex, async")
+    if n == 1:
+        return
+    short = outputs[:-1] if r == n - 1 else outputs
+    try:
+        dist.all_gather_coalesced(short, mixed)
+        problem = "no error"
+    except (RuntimeError, ValueError) as exc:  # (the last rank's own ArgumentError)
+        problem = "" if f"rank {n - 1}" in str(exc) else f"does not name it: {exc}"
+    check(not problem, f"a rank with one list too few: {problem}")
+    dist.all_gather_coalesced(outputs, mixed)
+    check(all(same(outputs[q][i], want[q][i]) for q in range(n) for i in range(2)), "after")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["int64", "bfloat16", "float32", "bool"])
 def test_reduce_scatter_of_tensors_of_different_sizes(dtype: str) -> None:
     """torch's ``reduce_scatter`` takes a list of inputs of different sizes (rank ``q``'s
