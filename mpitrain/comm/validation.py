@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError
+from .objects import allgather_object
 from .shm import ADDRESS, FP, HEADER_WORDS, NO_PAYLOAD, PAYLOAD, ROWS, SharedMemory
 from .transport import Transport
 
@@ -120,7 +121,7 @@ class Validator:
     """
 
     def __init__(self, transport: Transport, shm: SharedMemory | None) -> None:
-        self.transport, self.comm, self.shm = transport, transport.comm, shm
+        self.transport, self.shm = transport, shm
         self.rank, self.size = transport.rank, transport.size
         self._mine = np.zeros(HEADER_WORDS, np.int64)
         self._table = np.zeros((self.size, HEADER_WORDS), np.int64)
@@ -210,6 +211,7 @@ class Validator:
 
     def raise_mismatch(self, sig: Signature) -> None:
         """Raise :class:`~mpitrain.MismatchError` naming every disagreeing rank and value
-        (collective: every rank of a failed exchange calls it)."""
-        fields = self.comm.allgather(sig.fields())
+        (collective: every rank of a failed exchange calls it; through the transport, so
+        that a rank that never does fails the others at the stall timeout)."""
+        fields = allgather_object(self.transport, sig.fields())
         raise MismatchError(mismatch_message(self.rank, fields))
