@@ -25,7 +25,8 @@ bitwise ones, ``reduce``, ``broadcast``, ``all_gather`` and ``all_gather_into_te
 ``reduce_scatter`` and ``reduce_scatter_tensor``, their coalesced forms) run through the
 async engine of a :class:`~mpitrain.Communicator` of the group's ranks: negotiated
 (ranks whose calls disagree get :class:`~mpitrain.MismatchError` on every rank),
-fused, and run on mpitrain's algorithms. ``async_op=True`` returns a
+fused, and run on mpitrain's algorithms; a sparse ``all_reduce`` (``SUM``, ``AVG``) is
+two allgathers there, of the indices and of the values. ``async_op=True`` returns a
 :class:`~torch.distributed.Work` whose ``get_future()`` completes on a thread of
 mpitrain's (:class:`_Completer`); a blocking call waits for it. The bitwise reductions, ``gather``,
 ``scatter``, ``all_to_all`` and ``all_to_all_single`` run MPI's own collectives on the
@@ -77,6 +78,7 @@ from ..ops import ReduceOp
 from ..parallel.pending import Pending
 from ..parallel.refusal import agreed, refusing
 from .eager import eager_methods
+from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
 from .tensors import as_buffer, from_buffer, producer_stream
 
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
@@ -149,6 +151,12 @@ _REDUCTIONS: dict[Any, tuple[ReduceOp | None, float, Any]] = {}
 collective asks; filled below)."""
 
 
+def _op_name(op: Any) -> str:
+    """The name of torch's reduction ``op`` (``"SUM"``, ``"PREMUL_SUM"``)."""
+    kind = getattr(op, "op", op)
+    return str(getattr(kind, "name", str(kind))).rsplit(".", 1)[-1]
+
+
 def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
     """mpitrain's op for torch's ``op``, the factor of a ``PREMUL_SUM``, and MPI's op of
     a bitwise reduction (which mpitrain's op is then ``None``)."""
@@ -156,7 +164,7 @@ def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
     known = _REDUCTIONS.get(kind) if type(kind) is _RED_OP_TYPE else None
     if known is not None:
         return known
-    name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1]
+    name = _op_name(op)
     if name in _BITWISE:
         return None, 1.0, _BITWISE[name]
     if name not in _OPS:
@@ -170,6 +178,9 @@ def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
 _REDUCTIONS.update({getattr(dist.ReduceOp, name): reduction(getattr(dist.ReduceOp, name))
                     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")})
 
+
+_SPARSE_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+"""The reductions of sparse tensors: their entries together (an allgather), averaged."""
 
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN,
              ReduceOp.MIN: ReduceOp.MIN, ReduceOp.MAX: ReduceOp.MAX}
@@ -660,11 +671,38 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """``all_reduce`` of each tensor, in place."""
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(
+                tensors, op if factor == 1.0 and op in _SPARSE_OPS else None, opts)
         if bitwise is not None:
             return self._bitwise(tensors, bitwise, "all_reduce")
         assert op is not None
         with self._submitting(opts):
             return self._allreduce(tensors, op, factor)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: ReduceOp | None,
+                          opts: Any) -> Work:
+        """``all_reduce`` of sparse COO tensors, ``SUM`` or ``AVG`` (``op`` ``None``: another
+        op, refused), as gloo takes them (DDP's sparse gradients): an allgather of each one's
+        indices and one of its values (:mod:`mpitrain.torch.sparse`); the result is
+        written into the tensor (its non-zeros become the result's, coalesced)."""
+        comm = self.comm
+        with refusing(comm, "allgather", *[None] * (2 * len(tensors))):
+            if op is None:
+                given = _op_name(_opt(opts, "reduceOp", None))
+                raise ArgumentError(f"rank {comm.rank}: all_reduce of sparse tensors takes "
+                                    f"SUM or AVG, not {given}; densify the tensor "
+                                    "(to_dense()) for other ops")
+            prepared = [prepare_sparse_allreduce(t, op, comm.rank) for t in tensors]
+        with self._submitting(opts):
+            started = [start_sparse_allreduce(comm, p, None) for p in prepared]
+
+        def finish() -> None:
+            for t, (_, result) in zip(tensors, started):
+                reduced = result()
+                with torch.no_grad():
+                    t.copy_(reduced)
+        return Work(Pending([h for handles, _ in started for h in handles], finish), tensors)
 
     def _submitting(self, opts: Any) -> ContextManager[None]:
         """Where a call's engine submissions are made: torch waits for the Work of a

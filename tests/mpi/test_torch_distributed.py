@@ -162,6 +162,64 @@ def test_async_work_future_and_coalescing() -> None:
         check(same(x, want), f"coalesced #{i}")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_sparse_all_reduce(dtype: str) -> None:
+    """``all_reduce`` of sparse COO tensors (as gloo takes them, and DDP gives them for an
+    ``Embedding(sparse=True)``): SUM and AVG of uncoalesced tensors with other non-zeros
+    on every rank, written into the tensor; other ops, and a rank whose tensor is of
+    another shape, fail every rank. DDP with a sparse embedding equals one process."""
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def mine(rank: int, rows: int = n + 2) -> Any:  # rank + 1 entries, one repeated
+        at = torch.tensor([[rank % rows] + [(rank + k) % rows for k in range(rank + 1)],
+                           [0] + [k % 3 for k in range(rank + 1)]])
+        values = torch.arange(2, rank + 4).to(getattr(torch, dtype)) * (rank + 1)
+        return torch.sparse_coo_tensor(at, values, (rows, 3))
+
+    total = sum((mine(q).to_dense() for q in range(n)), torch.zeros(n + 2, 3, dtype=getattr(
+        torch, dtype)))
+    t = mine(r)
+    dist.all_reduce(t)
+    check(t.is_sparse and torch.equal(t.to_dense(), total), "SUM")
+    t = mine(r)
+    work = dist.all_reduce(t, op=R.AVG, async_op=True)
+    got = work.get_future().wait()[0]
+    want = total / n if dtype == "float32" else torch.div(total, n, rounding_mode="trunc")
+    check(got is t and torch.allclose(t.to_dense(), want), "AVG, async, its future")
+    if dtype == "int64":  # (one DDP check is enough)
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, sparse=True),
+                                    torch.nn.Linear(4, 1)).double()
+        reference = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ddp, reference)]
+        for step in range(3):
+            ids = torch.randint(0, 20, (n, 4, 3), generator=torch.Generator().manual_seed(step))
+            for o in opts:
+                o.zero_grad()
+            ddp(ids[r]).sum().backward()
+            (sum(reference(ids[q]).sum() for q in range(n)) / n).backward()
+            for o in opts:
+                o.step()
+        check(close(list(model.parameters()), list(reference.parameters()), 1e-12),
+              "DDP with a sparse embedding")
+    for what, op, sent in [("MAX", R.MAX, mine(r)),
+                           ("a rank of another shape", R.SUM,
+                            mine(r, n + 3) if r == n - 1 else mine(r))]:
+        if n == 1 and op == R.SUM:
+            continue
+        try:
+            dist.all_reduce(sent, op=op)
+            problem = "no error"
+        except (RuntimeError, ValueError) as exc:
+            problem = "" if what in str(exc) or "shape" in str(exc) else f"{exc}"
+        check(not problem, f"{what}: {problem}")
+    t = mine(r)
+    dist.all_reduce(t)
+    check(torch.equal(t.to_dense(), total), "after")
+
+
 # -- the other collectives ----------------------------------------------------------------
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["uint8", "int64", "float16", "bfloat16", "float64",
