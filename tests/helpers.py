@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -278,10 +280,11 @@ def check_allgather(comm: mt.Communicator, algorithm: str, dtype: Any,
 
 def adasum_pair(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The Adasum of two float64 vectors, straight from the formula (Horovod's floor:
-    a squared norm below 1e-8 gives coefficient 1)."""
+    a squared norm below sqrt(DBL_MIN), about 1.5e-154, gives coefficient 1)."""
+    floor = math.sqrt(sys.float_info.min)
     dot, a_sq, b_sq = float(a @ b), float(a @ a), float(b @ b)
-    ca = 1.0 - dot / (2.0 * a_sq) if a_sq >= 1e-8 else 1.0
-    cb = 1.0 - dot / (2.0 * b_sq) if b_sq >= 1e-8 else 1.0
+    ca = 1.0 - dot / (2.0 * a_sq) if a_sq >= floor else 1.0
+    cb = 1.0 - dot / (2.0 * b_sq) if b_sq >= floor else 1.0
     return ca * a + cb * b
 
 

@@ -16,12 +16,14 @@ the group's ``2 L`` ranks: each rank adds up its slice's share in float64, and t
 group sums these three numbers by recursive doubling (``log2 2L`` exchanges of 24
 bytes). Each rank then combines its slice with the coefficients. After the last
 level the steps run backwards to send the slices back (an allgather), so every rank
-ends with the same bits. A squared norm below :data:`NORM_FLOOR` gives its vector
-the coefficient 1, as in Horovod (a zero vector then adds nothing).
+ends with the same bits. A squared norm below :data:`NORM_FLOOR` (zero, in practice)
+gives its vector the coefficient 1, as in Horovod (a zero vector then adds nothing).
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +33,10 @@ from .base import Plan, PlanRequest, Signature
 from .chunks import Bounds
 
 TAG = 25
-NORM_FLOOR = 1e-8
-"""Squared norms below this give coefficient 1 (Horovod's threshold)."""
+NORM_FLOOR = math.sqrt(sys.float_info.min)
+"""Squared norms below this (about 1.5e-154) give coefficient 1: Horovod's floor,
+``sqrt(DBL_MIN)``, below which the float64 division could overflow. Vectors of tiny
+elements still combine (two equal ones into their mean, not their sum)."""
 BLOCK = 1 << 15
 """Elements widened to float64 at a time (bounds the float64 scratch)."""
 

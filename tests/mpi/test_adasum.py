@@ -92,6 +92,33 @@ def test_shapes_and_scaling(acomm: mt.Communicator) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("magnitude", ["tiny", "spread"])
+def test_parallel_vectors_of_extreme_magnitudes_give_their_mean(
+        acomm: mt.Communicator, dtype: str, magnitude: str) -> None:
+    """Vectors along one direction combine into their mean, however small their squared
+    norms (``tiny``: elements about 1e-30, squared norms far below 1e-8) or however far
+    apart (``spread``: from there to near the square root of the dtype's largest), as
+    the products and norms are float64; only a squared norm below ``sqrt(DBL_MIN)``
+    (about 1.5e-154) counts as a zero vector (Horovod's floor)."""
+    if not power_of_two(acomm.size):
+        pytest.skip("Adasum runs on power-of-two rank counts")
+    direction = np.random.default_rng(7).standard_normal(257)
+    n = acomm.size
+    low, high = 1e-30, float(np.sqrt(np.finfo(dtype).max)) / 1e3
+    if magnitude == "tiny":
+        factors = [low * (r + 1) for r in range(n)]
+    else:
+        factors = [low ** ((n - r) / n) * high ** (r / n) for r in range(n)]
+    xs = [(direction * f).astype(dtype) for f in factors]  # (rounding keeps them parallel enough)
+    want = (sum(x.astype(np.float64) for x in xs) / n).astype(dtype)
+    got = acomm.allreduce(xs[acomm.rank], op=mt.Adasum)
+    err = float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+    assert_all_ranks(acomm, err < 1e-5, f"{magnitude} {dtype}: off the mean by {err:.3g} "
+                                        "(relative; 1 would be their sum)")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_identical_vectors_give_that_vector(acomm: mt.Communicator, dtype: str) -> None:
     if not power_of_two(acomm.size):

@@ -31,6 +31,7 @@ def test_coefficients() -> None:
     assert coefficient(0.0, 4.0) == 1.0  # orthogonal: a plain sum
     assert coefficient(4.0, 4.0) == 0.5  # equal vectors: their mean
     assert coefficient(1.0, NORM_FLOOR / 2) == 1.0  # (nearly) zero vector: Horovod's floor
+    assert coefficient(1e-40, 1e-40) == 0.5  # equal vectors of tiny elements: still their mean
 
 
 def test_adasum_is_never_fused_and_parses() -> None:
