@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from typing import Any, Callable, Iterator, Sized, TypeVar
 
 import torch
@@ -193,9 +194,14 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     """Horovod's ``ElasticSampler``: this rank's share of the samples of the epoch that
     no commit has recorded yet, re-partitioned over the new size after a reset.
 
-    Each epoch's order is a permutation seeded by ``seed + epoch`` (the same on every
-    rank); the samples left are padded, by repeating the first ones, to a multiple of
+    Each epoch's order is Horovod's: ``random.Random(seed + epoch).shuffle`` of the
+    indices (the same on every rank, and the same samples in the same order as under
+    Horovod); the samples left are padded, by repeating the first ones, to a multiple of
     the rank count, and rank ``r`` takes every size-th from position ``r``.
+    ``processed_num`` counts the samples recorded in the epoch, and ``state_dict()``
+    carries it beside the recorded indices, so that Horovod's own sampler loads it and
+    this one loads Horovod's (``{"epoch", "processed_num"}``: the first ``processed_num``
+    samples of the epoch's order, as Horovod counts them).
 
     Args:
         dataset: anything with ``len()``.
@@ -212,24 +218,32 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.num_replicas = self.rank = self.num_samples = 0
         self.remaining: list[int] = []
         self.indices: list[int] = []
+        self._taken = 0
         self.reset()
 
     def reset(self) -> None:
         """Partition the samples not yet processed over the default communicator."""
         comm = session.default_communicator()
         self.num_replicas, self.rank = comm.size, comm.rank
-        count = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(count, generator=generator).tolist()
-        else:
-            order = list(range(count))
+        order = self._order()
         left = [i for i in order if i not in self.processed_indices]
         self.num_samples = math.ceil(len(left) / self.num_replicas)
         total = self.num_samples * self.num_replicas
         self.remaining = (left * math.ceil(total / len(left)))[:total] if left else []
         self.indices = self.remaining[self.rank::self.num_replicas]
+        self._taken = 0  # samples of each rank's share recorded since
+
+    def _order(self) -> list[int]:
+        """The epoch's order of the samples (Horovod's)."""
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    @property
+    def processed_num(self) -> int:
+        """The samples of the epoch recorded as processed (by every rank together)."""
+        return len(self.processed_indices)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: a new order, and nothing processed yet. The epoch in
@@ -244,24 +258,33 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         return self._batch(self.indices, batch_idx, batch_size)
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Record batch ``batch_idx`` of every rank as processed (call it on every rank,
-        after the step; a commit then keeps it)."""
+        """Record the next ``batch_size`` samples of every rank's share as processed
+        (call it on every rank after each step; a commit then keeps them). As in
+        Horovod, the batches are counted: ``batch_idx`` is only checked, and a pass
+        after a reset counts from the first sample left."""
+        self._batch([], batch_idx, batch_size)  # (the check)
+        done, self._taken = self._taken, self._taken + batch_size
         for rank in range(self.num_replicas):
             share = self.remaining[rank::self.num_replicas]
-            self.processed_indices.update(self._batch(share, batch_idx, batch_size))
+            self.processed_indices.update(share[done:done + batch_size])
 
     def record_indices(self, indices: list[int]) -> None:
         """Record ``indices`` as processed (after a reset the ranks' records are pooled)."""
         self.processed_indices.update(int(i) for i in indices)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the samples processed in it."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """The epoch, the samples processed in it, and their count (Horovod's state)."""
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices),
+                "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take ``state_dict``'s epoch and records, and re-partition."""
+        """Take ``state_dict``'s epoch and records (or, from Horovod's sampler, its count
+        of the epoch's first samples), and re-partition."""
         self.epoch = int(state_dict["epoch"])
-        self.processed_indices = set(state_dict["processed_indices"])
+        if "processed_indices" in state_dict:
+            self.processed_indices = set(state_dict["processed_indices"])
+        else:
+            self.processed_indices = set(self._order()[:int(state_dict["processed_num"])])
         self.reset()
 
     def __iter__(self) -> Iterator[int]:

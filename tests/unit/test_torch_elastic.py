@@ -151,3 +151,36 @@ def test_horovods_errors_take_the_reset_path() -> None:
         assert issubclass(error, ResetRequired)
         assert mt.elastic.recoverable(error("lost a rank"))
     assert not mt.elastic.recoverable(ValueError("bug"))
+
+
+def test_horovods_order_count_and_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler gives Horovod's order (``random.Random(seed + epoch).shuffle``),
+    counts ``processed_num`` as Horovod does (every rank's batch), and loads Horovod's
+    state, ``{"epoch", "processed_num"}``: the epoch's first samples are done. After a
+    restore, ``record_batch`` counts from the first sample left, whatever its index."""
+    import random
+
+    def horovod_order(n: int, seed: int, epoch: int) -> list[int]:
+        order = list(range(n))
+        random.Random(seed + epoch).shuffle(order)
+        return order
+
+    size, n, batch = 3, 30, 2
+    for epoch in (0, 4):
+        order = horovod_order(n, 5, epoch)
+        parts = samplers(monkeypatch, size, n, {"epoch": epoch, "processed_num": 0})
+        assert [list(p) for p in parts] == [order[r::size] for r in range(size)]
+    (sampler,) = samplers(monkeypatch, 1, n)[:1]
+    sampler.set_epoch(2)
+    for b in range(3):
+        sampler.record_batch(b, batch)
+        assert sampler.processed_num == batch * (b + 1)
+    assert sampler.state_dict()["processed_num"] == 3 * batch
+    parts = samplers(monkeypatch, size, n, {"epoch": 2, "processed_num": 12})
+    left = horovod_order(n, 5, 2)[12:]
+    assert [list(p) for p in parts] == [left[r::size] for r in range(size)]
+    for p in parts:
+        p.record_batch(5, batch)  # (any index: batches are counted)
+    assert all(p.processed_num == 12 + batch * size for p in parts)
+    assert all(p.processed_indices == set(horovod_order(n, 5, 2)[:12 + batch * size])
+               for p in parts)
