@@ -255,14 +255,15 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
         """This rank's samples of batch ``batch_idx`` (of ``batch_size``) of this pass."""
-        return self._batch(self.indices, batch_idx, batch_size)
+        _check_batch(batch_idx, batch_size)
+        return self.indices[batch_idx * batch_size:(batch_idx + 1) * batch_size]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Record the next ``batch_size`` samples of every rank's share as processed
         (call it on every rank after each step; a commit then keeps them). As in
         Horovod, the batches are counted: ``batch_idx`` is only checked, and a pass
         after a reset counts from the first sample left."""
-        self._batch([], batch_idx, batch_size)  # (the check)
+        _check_batch(batch_idx, batch_size)
         done, self._taken = self._taken, self._taken + batch_size
         for rank in range(self.num_replicas):
             share = self.remaining[rank::self.num_replicas]
@@ -293,9 +294,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
-    @staticmethod
-    def _batch(share: list[int], batch_idx: int, batch_size: int) -> list[int]:
-        if batch_idx < 0 or batch_size < 1:
-            raise ArgumentError(f"ElasticSampler: batch_idx must be >= 0 and batch_size >= 1, "
-                                f"got batch_idx={batch_idx}, batch_size={batch_size}")
-        return share[batch_idx * batch_size:(batch_idx + 1) * batch_size]
+
+def _check_batch(batch_idx: int, batch_size: int) -> None:
+    """:class:`ArgumentError` unless ``batch_idx >= 0`` and ``batch_size >= 1``."""
+    if batch_idx < 0 or batch_size < 1:
+        raise ArgumentError(f"ElasticSampler: batch_idx must be >= 0 and batch_size >= 1, "
+                            f"got batch_idx={batch_idx}, batch_size={batch_size}")
