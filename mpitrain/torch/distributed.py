@@ -78,7 +78,7 @@ from ..ops import ReduceOp
 from ..parallel.pending import Pending
 from ..parallel.refusal import agreed, refusing
 from .eager import eager_methods
-from .sparse import prepare_sparse_allreduce, start_sparse_allreduce
+from .sparse import SPARSE_OPS, prepare_sparse_allreduce, start_sparse_allreduce
 from .tensors import as_buffer, from_buffer, producer_stream
 
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
@@ -178,9 +178,6 @@ def reduction(op: Any) -> tuple[ReduceOp | None, float, Any]:
 _REDUCTIONS.update({getattr(dist.ReduceOp, name): reduction(getattr(dist.ReduceOp, name))
                     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")})
 
-
-_SPARSE_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
-"""The reductions of sparse tensors: their entries together (an allgather), averaged."""
 
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN,
              ReduceOp.MIN: ReduceOp.MIN, ReduceOp.MAX: ReduceOp.MAX}
@@ -673,7 +670,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(
-                tensors, op if factor == 1.0 and op in _SPARSE_OPS else None, opts)
+                tensors, op if factor == 1.0 and op in SPARSE_OPS else None, opts)
         if bitwise is not None:
             return self._bitwise(tensors, bitwise, "all_reduce")
         assert op is not None

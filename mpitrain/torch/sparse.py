@@ -23,6 +23,8 @@ from ..ops import ReduceOp, parse_op
 from .tensors import as_buffer, from_buffer
 
 _HEADER_ROWS = 2
+SPARSE_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+"""The reductions of sparse tensors: their entries together (an allgather), averaged."""
 
 
 def _sparse_input(tensor: Any, op: Any, where: int) -> tuple[torch.Tensor, ReduceOp]:
@@ -35,7 +37,7 @@ def _sparse_input(tensor: Any, op: Any, where: int) -> tuple[torch.Tensor, Reduc
         raise ArgumentError(f"rank {where}: sparse_allreduce needs at least one sparse "
                             "dimension; use allreduce on tensor.to_dense()")
     rop = parse_op(op)
-    if rop not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+    if rop not in SPARSE_OPS:
         raise ArgumentError(f"rank {where}: sparse_allreduce supports op=Sum and op=Average, "
                             f"not {rop!r}; densify the tensor for other ops")
     return tensor.coalesce(), rop
@@ -127,5 +129,5 @@ def start_sparse_allreduce(comm: Communicator, prepared: SparseInput, name: str 
     return [rows_handle, values_handle], finish
 
 
-__all__ = ["SparseInput", "prepare_sparse_allreduce", "sparse_part_names",
+__all__ = ["SPARSE_OPS", "SparseInput", "prepare_sparse_allreduce", "sparse_part_names",
            "start_sparse_allreduce"]
