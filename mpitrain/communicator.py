@@ -38,6 +38,13 @@ class Communicator:
             :class:`~mpitrain.config.Settings`); ``check`` and ``shared_memory`` win over
             it. Read once: a variable changed later reaches the communicator only
             through :meth:`configure`.
+        ordered: every rank makes its unnamed async calls in one order, whatever their
+            kinds (as torch.distributed requires of a process group's collectives):
+            they are then numbered from one counter, ``"collective.noname.<n>"``, so
+            ranks whose ``n``-th unnamed calls are of different kinds (an allreduce on
+            one, an allgather on another) get :class:`~mpitrain.MismatchError` naming
+            both instead of waiting for each other until the stall timeout. Off: one
+            counter per kind (below).
 
     Every method is collective: all ranks of the communicator must call it, in the
     same order, with agreeing arguments (checked unless ``check`` is off). A
@@ -50,7 +57,8 @@ class Communicator:
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, *, check: bool | None = None,
-                 shared_memory: bool | None = None, settings: Settings | None = None) -> None:
+                 shared_memory: bool | None = None, settings: Settings | None = None,
+                 ordered: bool = False) -> None:
         if settings is None:
             settings = Settings.from_environment(check=check, shm=shared_memory)
         else:
@@ -61,6 +69,8 @@ class Communicator:
         self.mpi_comm: MPI.Intracomm = self.dispatcher.mpi_comm
         self._engine: Engine | None = None
         self._join_serves = JOIN_SERVES_ALL
+        self.ordered = ordered
+        """Unnamed async calls are numbered across kinds (the ``ordered`` argument)."""
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -279,16 +289,36 @@ class Communicator:
         return self.dispatcher.broadcast_(x, root, algorithm, name, stream=stream)
 
     def barrier(self) -> None:
-        """Block until every rank has called :meth:`barrier`."""
+        """Block until every rank has called :meth:`barrier` (on an ``ordered``
+        communicator, and after the async operations submitted before it have run on
+        every rank: :meth:`rendezvous`)."""
         if self._engine is not None and self._engine.joined:
             self._joined_error("barrier")
-        self.dispatcher.barrier()
+        if self.ordered:
+            self._meet("barrier")
+        else:
+            self.dispatcher.barrier()
 
     def rendezvous(self, what: str) -> None:
         """A barrier counted as the collective ``what``: validated against the other
         ranks' calls (a rank in another collective gets MismatchError), watched by the
-        stall inspector; for adapters that run MPI's own collectives after it."""
-        self.dispatcher.rendezvous(what)
+        stall inspector; for adapters that run MPI's own collectives after it. On an
+        ``ordered`` communicator it is a meeting point of the async engine
+        (:meth:`~mpitrain.engine.Engine.meet`), in the order of the unnamed async
+        calls: a rank whose async call stands where another's ``what`` does gets
+        MismatchError at once, on every rank, naming both."""
+        if self.ordered:
+            self._meet(what)
+        else:
+            self.dispatcher.rendezvous(what)
+
+    def _meet(self, what: str) -> None:
+        """Submit a meeting point of the async engine and wait for it (this thread runs
+        its cycle)."""
+        engine = self.engine()
+        with engine.waited():
+            handle = engine.meet(what)
+        handle.wait()
 
     def check_root(self, root: Any) -> None:
         """Raise :class:`~mpitrain.ArgumentError` if ``root`` is not a rank of this
@@ -467,6 +497,14 @@ class Communicator:
         engine if need be (collective then)."""
         return self.engine().waited()
 
+    def call(self) -> ContextManager[None]:
+        """A block whose unnamed async submissions are one call: on an ``ordered``
+        communicator the next call's names are then the same on every rank, however many
+        this one submitted on each (:meth:`~mpitrain.engine.Engine.call`); else it
+        changes nothing. The torch.distributed backend makes each collective one.
+        Starts the async engine if need be (collective then)."""
+        return self.engine().call()
+
     def async_stats(self) -> EngineStats:
         """Counters of the async engine (cycles, collectives, fused arrays, ...)."""
         return self.engine().snapshot()
@@ -497,6 +535,7 @@ class Communicator:
             engine = self._engine = Engine(d.mpi_comm, d.settings.changed(
                 shm=d.settings.shm and d.shm is not None))
             engine.join_serves = self._join_serves
+            engine.ordered = self.ordered
         return engine
 
     # -- lifetime ----------------------------------------------------------------------

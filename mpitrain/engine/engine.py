@@ -71,7 +71,15 @@ from ..dispatch import Call, Dispatcher
 from ..errors import ArgumentError, CommunicationError, MismatchError, StallError
 from ..ops import ReduceOp, parse_op
 from .fusion import Bucket, BucketRunner, fusion_key, plan_buckets
-from .negotiation import NONAME, Agreement, Negotiator, Signatures
+from .negotiation import (
+    CALL_SERIALS,
+    NONAME,
+    ORDERED,
+    Agreement,
+    Negotiator,
+    Signatures,
+    ordered_call,
+)
 from .request import Entry, Handle, Request, Spec, Waiters, complete_all, release_names
 
 _SPEC_CACHE_SIZE = 4096
@@ -80,6 +88,9 @@ REFUSED = "refused"
 (:meth:`Engine._refused`); its signature, which names the rank, never matches."""
 JOIN = "join"
 """The kind (and name) of the handle a caller of :meth:`Engine.join` waits on."""
+MEET = "meet"
+"""The kind of a meeting point (:meth:`Engine.meet`): it moves nothing."""
+_NOTHING = np.empty(0, np.uint8)  # a meeting point's array
 Blueprint = tuple[str, str, float, float, Any, int, bool, bool, str,
                   list[tuple[Any, tuple[int | None, ...]]], bool]
 """What a rank in ``join()`` needs to stand in for a request it never submitted: kind,
@@ -179,6 +190,16 @@ class Engine:
         ``join()``, fails with :class:`~mpitrain.CommunicationError` on the ranks that
         submitted it. The submitting ranks' setting decides (the lowest rank's, should
         they differ), so every rank reaches the same verdict."""
+        self.ordered = False
+        """True where the callers make their unnamed submissions in one order on every
+        rank, whatever their kinds (torch.distributed's rule): they are numbered from
+        one counter (:data:`ORDERED`) instead of one per kind, so that ranks whose
+        ``n``-th unnamed submissions are of different kinds get
+        :class:`~mpitrain.MismatchError` instead of waiting for each other. Set before
+        the first submission."""
+        self._met = False  # a meeting point was submitted (the cycles look for them)
+        self._calling = False  # the caller's thread is in a call() block
+        self._call_serials: Iterator[int] | None = None  # that block's serials, once drawn
         self._finished = False
         self._freed = False
         self._logged_cycles: set[tuple[Any, ...]] = set()  # the kinds of cycle logged (DEBUG)
@@ -329,8 +350,7 @@ class Engine:
         name fail with :class:`~mpitrain.MismatchError` (naming this rank and ``exc``)
         instead of waiting for this rank's forever."""
         if name is None:
-            serial = next(self._counters[kind])  # the name this submission would have had
-            name = f"{kind}{NONAME}{serial}"
+            name, serial = self._generated(kind)  # the name this submission would have had
         elif isinstance(name, str) and name:
             serial = -1
         else:
@@ -374,8 +394,8 @@ class Engine:
         # The request is made before taking the lock (the counter's next() is atomic).
         # Only a given name is tracked, so only its handle has one to release.
         if name is None:  # generated names are unique: never tracked
-            serial = next(self._counters[what])
-            request = Request(f"{what}{NONAME}{serial}", spec, array, output, self._waiters,
+            generated, serial = self._generated(what)
+            request = Request(generated, spec, array, output, self._waiters,
                               serial, None, entries, ready)  # generated_name(), without a call
         elif isinstance(name, str) and name:
             request = Request(name, spec, array, output, self._waiters, -1,
@@ -405,6 +425,54 @@ class Engine:
             if not self._batches and not getattr(self._unrung, "on", False):
                 self._wake(settle=True)
         return request
+
+    def meet(self, what: Any, name: Any = None) -> Handle:
+        """Submit a meeting point: it moves nothing and is done once every rank has
+        submitted it, after the collectives agreed in the same cycle have run. Every
+        rank must submit it with the same ``what`` (a text naming the caller's own
+        collective, which it is the signature of), or they all get
+        :class:`~mpitrain.MismatchError`. In an ordered engine it takes its place in the
+        order of the other submissions, so that a caller that runs a collective of its
+        own (MPI's) after it meets the other ranks where they are: a rank in another
+        collective fails at once instead of waiting for this one."""
+        key = (MEET, what)
+        spec = self._known_spec(key)
+        if spec is None:
+            spec = self._new_spec(key, lambda: Spec(MEET, f"{what}", None))
+        self._met = True
+        return self._submit(MEET, name, spec, _NOTHING, None)
+
+    def _generated(self, kind: str) -> tuple[str, int]:
+        """The name and serial of this rank's next unnamed submission of ``kind``:
+        ``<kind>.noname.<n>`` from the kind's counter, or in an ordered engine
+        ``collective.noname.<n>`` from the calls' (:data:`CALL_SERIALS`)."""
+        if not self.ordered:
+            serial = next(self._counters[kind])
+            return f"{kind}{NONAME}{serial}", serial
+        serials = self._call_serials
+        if serials is None:
+            serials = count(next(self._counters[ORDERED]) * CALL_SERIALS)
+            if self._calling:
+                self._call_serials = serials
+        serial = next(serials)
+        return f"{ORDERED}{NONAME}{serial}", serial
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """The unnamed submissions made inside the block are one call of an ordered
+        engine (:attr:`ordered`): they take consecutive serials of one block of
+        :data:`CALL_SERIALS`, so every rank's next call starts at the same serial
+        whatever this one submitted. Nested blocks belong to the outer one. For the
+        caller's thread (a communicator has one)."""
+        if self._calling:
+            yield
+            return
+        self._calling = True
+        try:
+            yield
+        finally:
+            self._calling = False
+            self._call_serials = None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -633,11 +701,17 @@ class Engine:
             for request in ready:
                 tl.span(self.lane, self.lane_name, request.name, "QUEUE",
                         request.submitted_at, agreed_at)
+        met: list[Request] = []
+        if self._met and any(r.spec.kind == MEET for r in runnable):
+            met = [r for r in runnable if r.spec.kind == MEET]
+            runnable = [r for r in runnable if r.spec.kind != MEET]
         buckets = plan_buckets(runnable, agreement.threshold)
         if (buckets or agreement.news) and log.isEnabledFor(logging.DEBUG):
             self._log_cycle(len(ready), buckets, agreement.threshold)
         for number, bucket in enumerate(buckets):
             self._run(bucket, number, tl)
+        if met:  # after the collectives that came before them
+            self._finish(met)
         if agreement.abandoned:
             self._give_up(agreement)
         if self._join is not None:
@@ -710,6 +784,13 @@ class Engine:
                 if request.spec.kind == REFUSED:  # its caller has had the error
                     request.error = ArgumentError(request.spec.signature)
                     self._finish([request])
+                elif request.spec.kind == MEET and name in missing:
+                    request.error = CommunicationError(
+                        f"rank {self.rank}: the ranks cannot meet for {request.spec.signature} "
+                        f"({name!r}) while ranks {missing[name]} are in join(), where they "
+                        "take part in async collectives only; call it before any rank "
+                        "joins or after join() returns")
+                    self._finish([request])
                 elif blueprint is not None and not blueprint[10]:
                     request.error = CommunicationError(
                         f"rank {self.rank}: the {blueprint[0]} {name!r} cannot run while "
@@ -736,15 +817,18 @@ class Engine:
     def _pass_generated(self, name: str) -> None:
         """This rank, in ``join()``, never submitted ``name`` (it stands in for it, or sees
         it fail): if it is a generated name (``<kind>.noname.<n>``), this rank's counter
-        of that kind moves past ``n`` as the submitters' did, so that the ranks' next
-        unnamed operations have the same names again. (The caller's thread submits
+        of that kind (or of an ordered engine's calls) moves past ``n`` as the
+        submitters' did, so that the ranks' next unnamed operations have the same names
+        again. (The caller's thread submits
         nothing while this rank is in ``join()``.)"""
         kind, sep, serial = name.partition(NONAME)
         if not (sep and serial.isdigit()):
             return
+        passed = int(serial) // CALL_SERIALS if kind == ORDERED and self.ordered \
+            else int(serial)
         with self._lock:
             mine = next(self._counters[kind])
-            self._counters[kind] = count(max(mine, int(serial) + 1))
+            self._counters[kind] = count(max(mine, passed + 1))
 
     def _stand_in(self, name: str, blueprint: Blueprint) -> Request:
         """The request with which this rank, in ``join()``, takes part in the operation
@@ -841,7 +925,8 @@ class Engine:
             request = pending.pop(name, None)
             if request is None:
                 continue  # this rank never submitted it
-            error = StallError if name in agreement.stalled else CommunicationError
+            error = StallError if name in agreement.stalled else \
+                MismatchError if name in agreement.disagreed else CommunicationError
             request.error = error(f"rank {self.rank}: {why}")
             self._finish([request])
 
@@ -907,6 +992,12 @@ class Engine:
         ranks = sorted(signatures)
         first = signatures[ranks[0]]
         other = next(r for r in ranks if signatures[r] != first)
+        call = ordered_call(name)
+        if call >= 0:
+            return (f"rank {self.rank}: the ranks' collective calls disagree at call {call} of "
+                    f"this group ({name!r}): rank {ranks[0]} called {first}, rank {other} "
+                    f"called {signatures[other]}; every rank must make the same collective "
+                    "calls in the same order, with the same kind, op, dtype and shape")
         return (f"rank {self.rank}: ranks submitted the async operation {name!r} with "
                 f"different arguments: rank {ranks[0]} submitted {first}, rank {other} submitted "
                 f"{signatures[other]}; every rank must submit a name with the same kind, op, "
@@ -939,10 +1030,10 @@ def describe(key: tuple[Any, ...]) -> str:
 
 def _blueprint(request: Request, serves: frozenset[str]) -> Blueprint | None:
     """What a rank in ``join()`` needs to stand in for ``request`` (``None`` for a
-    refused submission: nothing runs), given the kinds ranks in ``join()`` take part in
-    (``serves``)."""
+    refused submission or a meeting point: nothing runs), given the kinds ranks in
+    ``join()`` take part in (``serves``)."""
     spec = request.spec
-    if spec.kind == REFUSED:
+    if spec.kind in (REFUSED, MEET):
         return None
     arrays: list[tuple[Any, tuple[int | None, ...]]]
     if request.entries is not None:

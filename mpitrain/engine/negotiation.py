@@ -54,6 +54,19 @@ Signatures = dict[int, str]
 Announcement = Union[int, tuple[str, str], list[Any]]
 NONAME = ".noname."
 """Names generated for unnamed calls are ``<kind>.noname.<n>`` (:func:`generated_name`)."""
+ORDERED = "collective"
+"""The counter of every unnamed submission of an ordered engine (``Engine.ordered``),
+whatever its kind: its generated names are ``collective.noname.<n>``."""
+CALL_SERIALS = 1_000_000
+"""In an ordered engine, the serials of one call: the unnamed submissions of one
+``Engine.call()`` block (or one submission made outside any) are numbered from
+``CALL_SERIALS * c``, ``c`` counting the calls (``collective.noname.3000001`` is the
+second submission of call 3). So a call that submits more on one rank than on another
+(a sparse allreduce's two allgathers against a dense allreduce) leaves the next call's
+names the same on every rank; and when the ranks disagree on a call, its other
+submissions are given up with it (:meth:`Negotiator.exchange`)."""
+DEAD_CALLS_KEPT = 4096
+"""How many given-up calls the negotiator remembers, to give up their late submissions."""
 
 
 def shown(items: list[str], sep: str) -> str:
@@ -65,6 +78,13 @@ def shown(items: list[str], sep: str) -> str:
 def generated_name(kind: str, n: int) -> str:
     """The name of the ``n``-th unnamed call of ``kind``: ``<kind>.noname.<n>``."""
     return f"{kind}{NONAME}{n}"
+
+
+def ordered_call(name: str) -> int:
+    """The call ``c`` of an ordered engine's generated name (:data:`CALL_SERIALS`), -1
+    for any other name."""
+    kind, sep, n = name.partition(NONAME)
+    return int(n) // CALL_SERIALS if kind == ORDERED and sep and n.isdigit() else -1
 
 
 def is_generated(name: str) -> bool:
@@ -116,6 +136,8 @@ class Agreement:
             that never submitted them, or a rank that never submitted them stopped
             its engine.
         stalled: those of ``abandoned`` that were given up at the stall timeout.
+        disagreed: those of ``abandoned`` that were given up because the ranks
+            disagreed on another submission of their call (:data:`CALL_SERIALS`).
         joined: the ranks in ``join()`` this cycle; a name is ready once every other
             rank has submitted it.
         missing: the names of ``ready`` that some joined ranks never submitted, each
@@ -134,6 +156,7 @@ class Agreement:
     same: bool = False
     abandoned: dict[str, str] = field(default_factory=dict)
     stalled: set[str] = field(default_factory=set)
+    disagreed: set[str] = field(default_factory=set)
     joined: list[int] = field(default_factory=list)
     missing: dict[str, list[int]] = field(default_factory=dict)
     all_joined: bool = False
@@ -184,6 +207,9 @@ class Negotiator:
         self.table: dict[str, Signatures] = {}
         self.born: dict[str, tuple[int, float]] = {}  # table name -> (cycle, local time)
         self.warned: set[str] = set()
+        self.dead_calls: dict[int, str] = {}  # ordered calls given up -> why (oldest first)
+        # each rank's latest ordered call announced (-1: none), as recorded in the table
+        self.latest_call = [-1] * self.size
         self._next_check = 0.0
         self._announcing: Sequence[Announced] = ()
         self._joined: set[int] = set()  # ranks in join() as of the last cycle
@@ -256,6 +282,8 @@ class Negotiator:
                 self._collect(agreement)
         elif self.table and agreement.joined:  # a join can make waiting names ready
             self._collect(agreement)
+        if agreement.mismatched or (self.table and self.latest_call[self.rank] >= 0):
+            self._give_up_calls(agreement)
         if self.table:
             expire = max(h[3] for h in heads)
             if stopped or expire >= 0:
@@ -340,6 +368,47 @@ class Negotiator:
                     "operation before it shuts down")
             else:
                 continue
+            del self.table[name]
+            self._forget(name)
+
+    def _give_up_calls(self, agreement: Agreement) -> None:
+        """Give up, on every rank alike, the waiting submissions of ordered calls
+        (:data:`CALL_SERIALS`) that can never run, which would otherwise wait until the
+        stall timeout:
+
+        * those of a call the ranks disagreed on (a mismatched submission of the call,
+          this cycle or before): the ranks that made them will never see the others'
+          (those submitted something else);
+        * those that some rank did not submit although it has announced a later call:
+          its call submitted fewer operations (a rank submits all of a call's before
+          any of the next one's).
+        """
+        dead = self.dead_calls
+        for name, sigs in agreement.mismatched.items():
+            call = ordered_call(name)
+            if call >= 0 and call not in dead:
+                each = ", ".join(f"rank {r} {sig}" for r, sig in sorted(sigs.items()))
+                dead[call] = (f"the ranks disagreed on {name!r}, another operation of its "
+                              f"call ({each})")
+                if len(dead) > DEAD_CALLS_KEPT:
+                    del dead[next(iter(dead))]
+        latest = self.latest_call
+        for name, sigs in list(self.table.items()):
+            call = ordered_call(name)
+            if call < 0:
+                continue
+            why = dead.get(call)
+            if why is None:
+                missing = self.waiting_for(name)
+                if not missing or any(latest[r] <= call for r in missing):
+                    continue
+                why = (f"rank(s) {missing} made call {call} of this group without it and went "
+                       f"on to later calls: their call submitted fewer operations than rank(s) "
+                       f"{sorted(sigs)}'s ({next(iter(sigs.values()))})")
+            agreement.abandoned[name] = (f"{name!r} is given up on every rank: {why}. Every "
+                                         "rank must make the same collective calls in the "
+                                         "same order, with the same arguments")
+            agreement.disagreed.add(name)
             del self.table[name]
             self._forget(name)
 
@@ -457,6 +526,9 @@ class Negotiator:
                 kind, first, count, signature = item
                 pairs = [(generated_name(kind, n), signature)
                          for n in range(first, first + count)]
+                if kind == ORDERED:
+                    self.latest_call[rank] = max(self.latest_call[rank],
+                                                 (first + count - 1) // CALL_SERIALS)
             else:
                 pairs = [known[item] if isinstance(item, int) else item]
             for name, signature in pairs:

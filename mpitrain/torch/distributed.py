@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import itertools
 import logging
@@ -59,7 +60,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, TypeVar, cast
 from urllib.parse import parse_qs, urlparse
 
 import numpy as np
@@ -576,6 +577,24 @@ class _MpiRequests:
 
 
 # -- the process group --------------------------------------------------------------------
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_call(method: _Method) -> _Method:
+    """A collective of the group that submits to the async engine: what it submits is one
+    call (:meth:`~mpitrain.Communicator.call`). The group's communicator numbers unnamed
+    submissions across kinds (``ordered``), so ranks in different collectives get
+    MismatchError at once; as one call, one that submits more on one rank than on
+    another (a sparse ``all_reduce`` against a dense one) leaves the next collective's
+    numbers the same on every rank, and the group goes on working."""
+    @functools.wraps(method)
+    def run(self: ProcessGroupMpitrain, *args: Any, **kwargs: Any) -> Work:
+        with self.comm.call():
+            result: Work = method(self, *args, **kwargs)
+            return result
+    return cast(_Method, run)
+
+
 @eager_methods("_get_backend", "_device_types", "_allgather_base", "_reduce_scatter_base")
 class ProcessGroupMpitrain(dist.ProcessGroup):
     """A torch process group whose collectives run on mpitrain.
@@ -665,6 +684,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return f"<ProcessGroupMpitrain rank {self.comm.rank} of {self.comm.size}>"
 
     # -- reductions --------------------------------------------------------------------
+    @one_call
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """``all_reduce`` of each tensor, in place."""
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
@@ -727,6 +747,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
             buffers = [as_buffer(t) for t, _ in work]
         return [submit(b, t, o) for b, (t, o) in zip(buffers, work)]
 
+    @one_call
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """One fused ``all_reduce`` of every tensor (one collective per dtype)."""
         op, factor, bitwise = reduction(_opt(opts, "reduceOp", dist.ReduceOp.SUM))
@@ -746,6 +767,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                 stream=producer_stream(work[0][0]) if work else None)
         return Work(Pending([handle], handle.wait), tensors)
 
+    @one_call
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """``reduce`` to ``rootRank``: the root's tensors get the result, the others'
         stay as they were (reduced through copies)."""
@@ -760,6 +782,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
             inner = self._allreduce(sources, op, factor)
         return Work(inner._pending, tensors)
 
+    @one_call
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> Work:
         """``reduce_scatter``: ``outputs[i]`` gets the reduction of every rank's
@@ -815,6 +838,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                     target.copy_(block.reshape(target.shape))
         return Work(Pending(handles, finish), outputs)
 
+    @one_call
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> Work:
         """``reduce_scatter_tensor``: ``output`` gets this rank's ``1/size`` of ``input``."""
@@ -833,6 +857,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (torch < 2.12)
 
+    @one_call
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Work:
         """``reduce_scatter_tensor`` of each pair, together."""
@@ -859,6 +884,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return Work(Pending(handles, finish), outputs)
 
     # -- gathers and broadcasts --------------------------------------------------------
+    @one_call
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Work:
         """``all_gather``: ``output_lists[i][r]`` gets rank ``r``'s ``inputs[i]``. Outputs
@@ -904,6 +930,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                         target.copy_(block.reshape(target.shape))
         return Work(Pending(handles, finish), [o for outs in output_lists for o in outs])
 
+    @one_call
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Work:
         """``all_gather_into_tensor``: ``output`` holds every rank's ``input`` in rank
@@ -923,6 +950,7 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     _allgather_base = all_gather_single  # (torch < 2.12)
 
+    @one_call
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
                                     inputs: list[torch.Tensor], opts: Any = None) -> Work:
         """``all_gather_into_tensor`` of each pair, together."""
@@ -931,12 +959,14 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
+    @one_call
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Work:
         """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank ``r``'s
         ``inputs[i]`` (one list per rank, unlike :meth:`allgather`'s one per input)."""
         return self._allgather(output_lists, inputs, opts, by_rank=True)
 
+    @one_call
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """``broadcast`` from ``rootRank``, in place."""
         root = _opt(opts, "rootRank", 0)
@@ -1242,8 +1272,11 @@ def create(options: Any, backend_options: Any = None) -> ProcessGroupMpitrain:
     group over ``MPI.COMM_WORLD`` for the default group, over the ranks of
     ``global_ranks_in_group`` for the others (collective over the group's ranks)."""
     comm, owned = group_communicator(options)
-    return ProcessGroupMpitrain(Communicator(comm, settings=_settings(options.timeout)),
-                                str(options.group_id), owned=comm if owned else None)
+    # ordered: torch's rule (every rank makes the same calls in the same order) lets the
+    # group count its calls across kinds, so ranks in different collectives fail at once
+    mpitrain_comm = Communicator(comm, settings=_settings(options.timeout), ordered=True)
+    return ProcessGroupMpitrain(mpitrain_comm, str(options.group_id),
+                                owned=comm if owned else None)
 
 
 def group_communicator(options: Any) -> tuple[MPI.Intracomm, bool]:

@@ -723,6 +723,55 @@ def test_ranks_in_different_collectives_raise_on_every_rank() -> None:
     check(torch.equal(t, torch.full((3,), float(n))), "usable after")
 
 
+def _gather_three(n: int) -> None:
+    """Three ``all_gather_into_tensor`` coalesced: one call of three allgathers."""
+    with dist._coalescing_manager():
+        for _ in range(3):
+            dist.all_gather_into_tensor(torch.zeros(2 * n), torch.ones(2))
+
+
+OUT_OF_STEP = {
+    # case: (the last rank's call, the others' call, words the error has on every rank)
+    "all_gather": (lambda n: dist.all_gather_into_tensor(torch.zeros(4 * n), torch.ones(4)),
+                   lambda n: dist.all_reduce(torch.ones(4)),
+                   ["called allgather", "called allreduce"]),
+    "sparse": (lambda n: dist.all_reduce(torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))),
+               lambda n: dist.all_reduce(torch.ones(4)),
+               ["called allgather int64", "called allreduce sum float32[4]"]),
+    "coalesced": (lambda n: _gather_three(n), lambda n: dist.all_reduce(torch.ones(4)),
+                  ["called allgather"]),
+    "barrier": (lambda n: dist.barrier(), lambda n: dist.all_reduce(torch.ones(4)),
+                ["called barrier", "called allreduce"]),
+    "gather": (lambda n: dist.gather(torch.ones(2), None, dst=0),
+               lambda n: dist.broadcast(torch.ones(4), src=0),
+               ["called gather", "called broadcast root=0 float32[4]"]),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(OUT_OF_STEP))
+def test_ranks_out_of_step_raise_at_once(case: str) -> None:
+    """The last rank makes another collective than the others (one that submits more to
+    the engine than theirs, one of MPI's own after a meeting point): every rank raises
+    MismatchError naming both calls at once (the group's timeout, 120 s, is past the
+    test's: waiting for each other fails it), and the group goes on working."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    mine, theirs, words = OUT_OF_STEP[case]
+    try:
+        (mine if r == n - 1 else theirs)(n)
+        problem = "no error"
+    except mt.MismatchError as exc:
+        problem = "" if all(w in str(exc) for w in words) and "call" in str(exc) \
+            else f"does not name both calls: {exc}"
+    check(not problem, problem)
+    for _ in range(2):
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        check(torch.equal(t, torch.full((3,), float(n))), "usable after")
+    dist.barrier()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_rank_that_skips_an_mpi_collective_is_a_stall() -> None:
