@@ -587,12 +587,13 @@ class Negotiator:
         if self.transport is None or self.transport.current != EXCHANGE:
             return ""  # a collective of a bucket
         try:
-            names = [r.name for r in self._announcing] + [
-                n for n, sigs in self.table.items() if self.rank in sigs]
+            named = [f"{r.name!r} ({r.spec.signature})" for r in self._announcing] + [
+                f"{n!r} ({sigs[self.rank]})" for n, sigs in self.table.items()
+                if self.rank in sigs]
         except RuntimeError:  # the table changed under the inspector's thread
             return ""
-        if not names:
+        if not named:
             if self.rank in self._joined:
                 return f" (rank {self.rank} is in join(): it waits for the other ranks to join)"
             return f" (rank {self.rank} has no operation pending: it is stopping)"
-        return f" (rank {self.rank} has submitted " + shown([repr(n) for n in names], ", ") + ")"
+        return f" (rank {self.rank} has submitted " + shown(named, ", ") + ")"

@@ -61,12 +61,13 @@ def test_the_warning_says_where_a_late_rank_waits(caplog: pytest.LogCaptureFixtu
         warned = " | ".join(r.getMessage() for r in caplog.records
                             if "has waited" in r.getMessage())
         if comm.rank == late:
-            expected = (r"the async engine's exchange \(rank \d+ has submitted 'grad\.m'\) .*"
+            expected = (r"the async engine's exchange \(rank \d+ has submitted 'grad\.m' "
+                        r"\(allreduce sum float32\[8\] [^)]*\)\) .*"
                         r"rank 0 is at #\d+ [^;]*; it waits in barrier")
         else:
             expected = (rf"barrier .*rank {late} has not called it \(rank {late} is at "
                         rf"#\d+ [^;]*; it waits in the async engine's exchange \(rank {late} "
-                        r"has submitted 'grad\.m'\)")
+                        r"has submitted 'grad\.m' \(allreduce sum float32\[8\] [^)]*\)\)")
         assert_all_ranks(comm, bool(re.search(expected, warned)) and
                          float(total[0]) == comm.size, f"warnings: {warned!r}")
     finally:
