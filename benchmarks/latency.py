@@ -15,7 +15,10 @@ loop reach its collectives together. ``--hvd`` adds ``hvd.allreduce(t, op=hvd.Su
 call: the engine's round trip and the adapter's work around it; needs torch), and
 ``--dist`` ``torch.distributed.all_reduce(t)`` through the ``"mpitrain"`` process-group
 backend (in place, one freshly filled tensor per call; the default group is made here
-unless the process has one).
+unless the process has one), and with it ``torch.distributed.barrier()`` and, per size,
+``torch.distributed.all_to_all_single`` (the size is what each rank sends) against
+mpi4py's ``Barrier`` and ``Alltoall``: calls that run MPI's own collective after the
+group's meeting point in its order of calls and an exchange of the ranks' arguments.
 
 Every allreduce is checked: the inputs are the crafted values of the collective
 benchmark (:mod:`.hooks`), whose sum is known exactly, and before each block (not
@@ -59,7 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hvd", action="store_true",
                    help="also time mpitrain.torch's hvd.allreduce (needs torch)")
     p.add_argument("--dist", action="store_true",
-                   help="also time torch.distributed.all_reduce over the mpitrain backend")
+                   help="also time torch.distributed's all_reduce, all_to_all_single and "
+                        "barrier over the mpitrain backend")
     return p.parse_args(argv)
 
 
@@ -178,10 +182,43 @@ def _dist_case(x: np.ndarray[Any, Any], want: np.ndarray[Any, Any], iters: int) 
     return Case(call, refill, wrong)
 
 
-def barrier_cases(comm: mt.Communicator, world: MPI.Intracomm) -> dict[str, Case]:
-    """The two barriers (nothing to check)."""
-    return {"mpitrain barrier": Case(lambda i: comm.barrier(), no_op, lambda: 0),
-            "MPI Barrier": Case(lambda i: world.Barrier(), no_op, lambda: 0)}
+def alltoall_cases(world: MPI.Intracomm, nbytes: int) -> dict[str, Case]:
+    """``torch.distributed.all_to_all_single(out, x)`` over the ``"mpitrain"`` backend
+    and mpi4py's ``Alltoall`` of the same ``nbytes`` per rank: rank ``r`` sends the value
+    ``r * size + q`` to rank ``q``; each output is poisoned before a block and checked
+    after it (the last call's)."""
+    import torch
+    import torch.distributed as torch_dist
+
+    n, r = world.size, world.rank
+    per = max(nbytes // DTYPE.itemsize // n, 1)
+    x = np.repeat(np.arange(r * n, r * n + n, dtype=DTYPE), per)
+    want = np.repeat(np.arange(r, n * n, n, dtype=DTYPE), per)
+    out, native = np.empty_like(x), np.empty_like(x)
+    t, t_out = torch.from_numpy(x), torch.from_numpy(out)
+    size = f"{x.nbytes} B"
+    return {
+        f"torch.distributed all_to_all_single {size}": Case(
+            lambda i: torch_dist.all_to_all_single(t_out, t), lambda: poison(out),
+            lambda: int(np.count_nonzero(out != want))),
+        f"MPI Alltoall {size}": Case(lambda i: world.Alltoall(x, native),
+                                     lambda: poison(native),
+                                     lambda: int(np.count_nonzero(native != want))),
+    }
+
+
+def barrier_cases(comm: mt.Communicator, world: MPI.Intracomm,
+                  dist: bool = False) -> dict[str, Case]:
+    """The barriers (nothing to check): mpitrain's, torch.distributed's over the
+    mpitrain backend with ``dist``, MPI's."""
+    cases = {"mpitrain barrier": Case(lambda i: comm.barrier(), no_op, lambda: 0)}
+    if dist:
+        import torch.distributed as torch_dist
+
+        cases["torch.distributed barrier"] = Case(lambda i: torch_dist.barrier(), no_op,
+                                                  lambda: 0)
+    cases["MPI Barrier"] = Case(lambda i: world.Barrier(), no_op, lambda: 0)
+    return cases
 
 
 def no_op() -> None:
@@ -225,11 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = MPI.COMM_WORLD
     groups = [allreduce_cases(comm, world, int(s), args.iters, args.hvd, args.dist)
               for s in args.sizes.split(",")]
-    groups.append(barrier_cases(comm, world))
+    if args.dist:
+        groups += [alltoall_cases(world, int(s)) for s in args.sizes.split(",")]
+    groups.append(barrier_cases(comm, world, args.dist))
     if world.rank == 0:
         print(f"# {world.size} ranks, median of {args.blocks} blocks of {args.iters} calls"
               f"{', the ranks meeting before each' if args.in_step else ''}; every allreduce "
-              "result checked")
+              "and all-to-all result checked")
     total_wrong = 0
     for cases in groups:
         medians, wrong = interleaved(cases, args.blocks, args.iters,
