@@ -198,8 +198,8 @@ class Engine:
         :class:`~mpitrain.MismatchError` instead of waiting for each other. Set before
         the first submission."""
         self._met = False  # a meeting point was submitted (the cycles look for them)
-        self._calling = False  # the caller's thread is in a call() block
-        self._call_serials: Iterator[int] | None = None  # that block's serials, once drawn
+        # per thread: .on, the thread is in a call() block; .serials, its serials once drawn
+        self._call = threading.local()
         self._finished = False
         self._freed = False
         self._logged_cycles: set[tuple[Any, ...]] = set()  # the kinds of cycle logged (DEBUG)
@@ -449,11 +449,12 @@ class Engine:
         if not self.ordered:
             serial = next(self._counters[kind])
             return f"{kind}{NONAME}{serial}", serial
-        serials = self._call_serials
+        local = self._call
+        serials = getattr(local, "serials", None)
         if serials is None:
             serials = count(next(self._counters[ORDERED]) * CALL_SERIALS)
-            if self._calling:
-                self._call_serials = serials
+            if getattr(local, "on", False):
+                local.serials = serials
         serial = next(serials)
         return f"{ORDERED}{NONAME}{serial}", serial
 
@@ -461,8 +462,8 @@ class Engine:
         """A block (``with engine.call():``) whose unnamed submissions are one call of an
         ordered engine (:attr:`ordered`): they take consecutive serials of one block of
         :data:`CALL_SERIALS`, so every rank's next call starts at the same serial
-        whatever this one submitted. Nested blocks belong to the outer one. For the
-        caller's thread (a communicator has one)."""
+        whatever this one submitted. Nested blocks belong to the outer one; a block
+        is its thread's (another thread's submissions meanwhile are calls of their own)."""
         return CallBlock(self)
 
     @contextlib.contextmanager
@@ -482,26 +483,16 @@ class Engine:
                 if not self._batches and self._incoming:
                     self._wake()
 
-    @contextlib.contextmanager
-    def waited(self) -> Iterator[None]:
-        """Submissions this thread makes in the block do not ring the progress thread's
-        doorbell: the caller promises to wait for them as soon as the block ends, and
-        its ``wait()`` runs their cycle itself (:meth:`_drive`), as it would have
-        anyway. On a rank whose threads share one core, the woken thread took the core
-        from the caller in the middle of its work between submitting and waiting (a
-        blocking ``torch.distributed`` call's); a block that raises rings, so that what
-        it submitted is not left to a wait that never comes."""
-        local = self._unrung
-        local.on = True
-        try:
-            yield
-        except BaseException:
-            local.on = False
-            with self._cond:
-                if self._incoming and not self._batches:
-                    self._wake()
-            raise
-        local.on = False
+    def waited(self) -> WaitedBlock:
+        """A block (``with engine.waited():``) whose submissions by this thread do not
+        ring the progress thread's doorbell: the caller promises to wait for them as
+        soon as the block ends, and its ``wait()`` runs their cycle itself
+        (:meth:`_drive`), as it would have anyway. On a rank whose threads share one
+        core, the woken thread took the core from the caller in the middle of its work
+        between submitting and waiting (a blocking ``torch.distributed`` call's); a
+        block that raises rings, so that what it submitted is not left to a wait that
+        never comes. Nested blocks belong to the outer one."""
+        return WaitedBlock(self)
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -998,6 +989,32 @@ class Engine:
         return self.settings.cycle_time_ms / 1000.0
 
 
+class WaitedBlock:
+    """The context manager of :meth:`Engine.waited` (a class: every blocking call of the
+    adapters enters one, and a generator's costs about a microsecond more)."""
+
+    __slots__ = ("engine", "outer")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.outer = False
+
+    def __enter__(self) -> None:
+        local = self.engine._unrung
+        self.outer = getattr(local, "on", False)
+        local.on = True
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if self.outer:
+            return  # the outer block decides
+        engine = self.engine
+        engine._unrung.on = False
+        if kind is not None:
+            with engine._cond:
+                if engine._incoming and not engine._batches:
+                    engine._wake()
+
+
 class CallBlock:
     """The context manager of :meth:`Engine.call` (a class: the adapters enter one per
     collective, and a generator's costs about a microsecond more)."""
@@ -1009,13 +1026,15 @@ class CallBlock:
         self.outer = False
 
     def __enter__(self) -> None:
-        self.outer = self.engine._calling
-        self.engine._calling = True
+        local = self.engine._call
+        self.outer = getattr(local, "on", False)
+        local.on = True
 
     def __exit__(self, *exc: object) -> None:
         if not self.outer:
-            self.engine._calling = False
-            self.engine._call_serials = None
+            local = self.engine._call
+            local.on = False
+            local.serials = None
 
 
 def describe(key: tuple[Any, ...]) -> str:

@@ -737,13 +737,18 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         return Work(Pending(handles, lambda: _wait_all(handles)), tensors)
 
     def _each(self, kind: str, tensors: list[torch.Tensor], op: ReduceOp, factor: float,
-              submit: Callable[[Any, torch.Tensor, ReduceOp], Handle]) -> list[Handle]:
+              submit: Callable[[Any, torch.Tensor, ReduceOp], Handle],
+              check: Callable[[], None] | None = None, what: str | None = None
+              ) -> list[Handle]:
         """Submit ``kind`` (an engine kind) of each tensor, ``submit(buffer, tensor,
-        op)`` (``op`` as a bool tensor is reduced: :func:`_reducible`), once every
-        tensor is checked and viewed: an error there is announced as the refusal of
-        each submission, so the other ranks fail too."""
+        op)`` (``op`` as a bool tensor is reduced: :func:`_reducible`), once ``check()``
+        has passed and every tensor is checked and viewed (for the collective ``what``,
+        ``kind`` by default): an error there is announced as the refusal of each
+        submission, so the other ranks fail too."""
         with refusing(self.comm, kind, *[None] * len(tensors)):
-            work = [_reducible(t, op, kind, factor) for t in tensors]
+            if check is not None:
+                check()
+            work = [_reducible(t, op, what or kind, factor) for t in tensors]
             buffers = [as_buffer(t) for t, _ in work]
         return [submit(b, t, o) for b, (t, o) in zip(buffers, work)]
 
@@ -814,7 +819,8 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
         dtype, so ranks that size them otherwise fail every rank), this rank's result
         copied into its output."""
         comm = self.comm
-        with refusing(comm, "allreduce", *[None] * (comm.size * len(outputs))):
+
+        def check() -> None:
             if bitwise is not None or op is None:
                 raise UnsupportedError("reduce_scatter with a bitwise op: use all_reduce")
             for output, inputs in zip(outputs, input_lists):
@@ -823,11 +829,12 @@ class ProcessGroupMpitrain(dist.ProcessGroup):
                         f"rank {comm.rank}: reduce_scatter needs {comm.size} input tensors, "
                         f"the one of rank {comm.rank} of the output's {output.numel()} "
                         f"elements, got {[t.numel() for t in inputs]}")
-            work = [_reducible(t, op, "reduce_scatter", factor)
-                    for inputs in input_lists for t in inputs]
-            buffers = [as_buffer(t) for t, _ in work]
-        handles = [comm.allreduce_async(b, o, prescale_factor=factor, stream=producer_stream(t))
-                   for b, (t, o) in zip(buffers, work)]
+        # (op None, a bitwise op: check() refuses the call before op is used)
+        handles = self._each("allreduce", [t for inputs in input_lists for t in inputs],
+                             op or ReduceOp.SUM, factor,
+                             lambda b, t, o: comm.allreduce_async(
+                                 b, o, prescale_factor=factor, stream=producer_stream(t)),
+                             check, "reduce_scatter")
 
         def finish() -> None:
             _wait_all(handles)

@@ -624,7 +624,8 @@ CASES = [
     Case("async_nan_inf_propagate", async_nan_inf_propagate, everywhere(None)),
     Case("async_missing_rank", async_missing_rank,
          stalled_except(last_differs, pattern=r"the async engine's exchange \(rank \d+ has "
-                        r"submitted 'grad\.w'\).*rank {last} has not called it"),
+                        r"submitted 'grad\.w' \(allreduce sum float32\[1024\] [^)]*\)\)"
+                        r".*rank {last} has not called it"),
          usable=False, stall=True),
     Case("async_engine_never_started_on_one_rank", async_engine_never_started_on_one_rank,
          stalled_except(last_differs, pattern=r"the async engine's start .*rank {last} has "
