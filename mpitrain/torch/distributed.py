@@ -32,11 +32,18 @@ mpitrain's (:class:`_Completer`); a blocking call waits for it. The bitwise redu
 ``scatter``, ``all_to_all`` and ``all_to_all_single`` run MPI's own collectives on the
 group's own duplicate communicator after a rendezvous named by the call and one
 exchange of every rank's arguments (so that an error on one rank is an error on every
-rank, ranks in different collectives all raise, and a rank that skips one is reported
-by the stall inspector like any other); point-to-point messages go
+rank, and a rank that skips one is reported by the stall inspector like any other);
+point-to-point messages go
 through MPI on another duplicate, with torch's tags. Device tensors go to the engine as
 they are (CUDA, through the GPU backend); MPI's own collectives and point-to-point
 messages carry host copies of them.
+
+**One order of calls.** The group's communicator is ``ordered``: it counts the
+group's collective calls over every kind (each is one :meth:`~mpitrain.Communicator.call`,
+:func:`one_call`), and the rendezvous before MPI's own collectives, like ``barrier``, is
+a meeting point of the engine in that count. Ranks whose ``k``-th calls differ (an
+``all_reduce`` on one rank, an ``all_gather`` or a ``barrier`` on another) all get
+:class:`~mpitrain.MismatchError` at once, naming both, and the next call works.
 
 **Time limits.** The group's communicator takes ``init_process_group``'s ``timeout`` as
 its stall timeout (unless ``MPITRAIN_STALL_TIMEOUT_S`` is set): a collective that some
