@@ -3,7 +3,9 @@
 #   sh benchmarks/gpu_check.sh            (make gpu-check NP=4)
 # 1. the kernel tests (nvcc/NVRTC compile, every kernel against numpy on the GPU);
 # 2. the GPU test modules at 1..$NP ranks (tests/mpi/test_gpu.py on CuPy arrays,
-#    tests/mpi/test_torch_cuda.py on torch CUDA tensors; their fake-GPU cases run in
+#    tests/mpi/test_torch_cuda.py on torch CUDA tensors, tests/mpi/
+#    test_torch_distributed_cuda.py: DDP, FSDP2 and the collectives of torch.distributed
+#    over the "mpitrain" backend on CUDA tensors; their fake-GPU cases run in
 #    make test everywhere): each rank count in its own job, a collective that waits 120 s
 #    raises StallError, a test that runs 300 s fails, a job that runs $JOB_S s is killed
 #    and reported as hung;
@@ -76,7 +78,7 @@ n=1
 while [ "$n" -le "$NP" ]; do
   step "gpu-tests-np$n" $MPI -np "$n" -x MPITRAIN_STALL_TIMEOUT_S=120 sh tests/mpi_rank.sh \
     $PYTEST --timeout=300 --with-mpi -k "not fake" tests/mpi/test_gpu.py \
-    tests/mpi/test_torch_cuda.py
+    tests/mpi/test_torch_cuda.py tests/mpi/test_torch_distributed_cuda.py
   n=$((n + 1))
 done
 
