@@ -774,17 +774,22 @@ def test_ranks_out_of_step_raise_at_once(case: str) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_a_rank_that_skips_an_mpi_collective_is_a_stall() -> None:
-    """all_to_all on rank 0 alone: the rendezvous before MPI's own collective is watched
-    by the stall inspector, so rank 0 gets StallError naming the ranks that never came
-    at the group's stall timeout (it used to wait in MPI forever)."""
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_rank_that_skips_an_mpi_collective_is_a_stall(ordered: bool) -> None:
+    """all_to_all on rank 0 alone: the rendezvous before MPI's own collective (on an
+    ordered communicator, as the backend's groups are, the meeting point in the async
+    engine's order, whose exchange waits for the other ranks' engines) is watched by
+    the stall inspector, so rank 0 gets StallError naming the ranks that never came at
+    the group's stall timeout (it used to wait in MPI forever)."""
     from mpi4py import MPI
 
     from mpitrain.torch.distributed import ProcessGroupMpitrain
 
     n = dist.get_world_size()
     comm = mt.Communicator(MPI.COMM_WORLD, settings=mt.Settings.from_environment(
-        stall_timeout_s=1.5, stall_warning_s=0.5))
+        stall_timeout_s=1.5, stall_warning_s=0.5), ordered=ordered)
+    if ordered:
+        comm.engine()  # started on every rank: rank 0 then waits in its exchange
     pg = ProcessGroupMpitrain(comm, "skipped")
     problem = ""
     try:
@@ -797,6 +802,7 @@ def test_a_rank_that_skips_an_mpi_collective_is_a_stall() -> None:
                     f"ranks {', '.join(str(i) for i in range(1, n))} have"
                 if f"{missing} not called it" not in str(exc):
                     problem = f"StallError does not name the missing ranks: {exc}"
+        MPI.COMM_WORLD.Barrier()  # the others wait outside mpitrain until rank 0 is done
     finally:
         comm.free()  # a stalled communicator frees only what it can
     check(not problem, problem)
