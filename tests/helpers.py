@@ -306,3 +306,20 @@ def host_algorithms(collective: str) -> list[str]:
     from mpitrain.algorithms import REGISTRY
 
     return [name for name, plan in REGISTRY[collective].items() if not plan.device_only]
+
+
+def register_ddp_hook(ddp: Any, hook: str) -> None:
+    """Give a DDP model one of the communication hooks the DDP tests sweep: ``"none"``,
+    DDP's ``"fp16"`` compression hook, or ``"powersgd"`` (rank 8, compressing from the
+    third step on: exact on the tests' weights of at most 8 x 6). Over the default group."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    if hook == "fp16":
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=8,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook != "none":
+        raise ValueError(f"unknown DDP hook {hook!r}")

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from helpers import assert_all_ranks, crafted, reference
+from helpers import assert_all_ranks, crafted, reference, register_ddp_hook
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -896,18 +896,10 @@ def test_ddp_equals_one_process(hook: str, passes: int) -> None:
     collectives of their own; with no_sync accumulation over two passes) against SGD
     on the whole batch in one process. PowerSGD of rank 8 is exact on these weights
     (at most 8 x 6); it compresses from the third step on."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
     n, r = dist.get_world_size(), dist.get_rank()
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    if hook == "fp16":
-        ddp.register_comm_hook(None, fp16_compress_hook)
-    if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=8,
-                                            start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    register_ddp_hook(ddp, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()

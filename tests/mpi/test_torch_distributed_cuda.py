@@ -15,7 +15,7 @@ import datetime
 from typing import Any, Iterator
 
 import pytest
-from helpers import assert_all_ranks
+from helpers import assert_all_ranks, register_ddp_hook
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -132,18 +132,10 @@ def test_ddp_on_cuda_equals_one_process(gpu: Any, hook: str) -> None:
     """DDP of a CUDA model (its reducer calls the backend from autograd's device
     thread; the fp16 hook's and PowerSGD's futures complete on mpitrain's threads)
     against SGD on the whole batch in one process on the CPU."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
     n, r = dist.get_world_size(), dist.get_rank()
     model = make_model(gpu)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[gpu])
-    if hook == "fp16":
-        ddp.register_comm_hook(None, fp16_compress_hook)
-    if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=8,
-                                            start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    register_ddp_hook(ddp, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()
