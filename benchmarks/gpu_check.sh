@@ -37,33 +37,9 @@ OUT=${OUT:-bench-results/gpu}
 ITERS=${ITERS:-20}
 BENCH=${BENCH:-1}
 JOB_S=${JOB_S:-900}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-MPI="$MPIRUN -x PYTHONPATH --oversubscribe --bind-to none"
-PYTEST="$PY -m pytest -p no:cacheprovider --color=no -q -rfEs"
-mkdir -p "$OUT"
-status=0
-
-# step NAME COMMAND...: run a step with a time limit, its output in $OUT/NAME.log and on
-# the terminal; a failure or a hang is reported and counted, and the next step runs.
-step() {
-  name=$1
-  shift
-  echo "== $name"
-  timeout "$JOB_S" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  cat "$OUT/$name.log"
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    echo "HUNG: $name was killed after $JOB_S s (JOB_S): $*"
-    status=1
-  elif [ "$rc" != 0 ]; then
-    echo "FAILED ($rc): $name: $*"
-    status=1
-  fi
-}
-
+STEP_S=$JOB_S TAIL=100000
 echo "== device and policy"
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
+. benchmarks/gpu_steps.sh
 $PY -c "
 import cupy, mpitrain as mt
 from mpitrain.backends.cuda_aware import detected
@@ -76,7 +52,7 @@ step kernels $PYTEST tests/unit/test_kernels_compile.py tests/unit/test_gpu_kern
 
 n=1
 while [ "$n" -le "$NP" ]; do
-  step "gpu-tests-np$n" $MPI -np "$n" -x MPITRAIN_STALL_TIMEOUT_S=120 sh tests/mpi_rank.sh \
+  step "gpu-tests-np$n" $MPI_TESTS -np "$n" -x MPITRAIN_STALL_TIMEOUT_S=120 sh tests/mpi_rank.sh \
     $PYTEST --timeout=300 --with-mpi -k "not fake" tests/mpi/test_gpu.py \
     tests/mpi/test_torch_cuda.py tests/mpi/test_torch_distributed_cuda.py
   n=$((n + 1))

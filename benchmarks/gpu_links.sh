@@ -8,7 +8,9 @@
 #    not fast: network-transport speed);
 # 3. benchmarks at 2 ranks: allreduce (float32 and bfloat16), reduce_scatter and
 #    allgather, 1 MiB .. 256 MiB, ipc against the staged ring and MPI's own collective
-#    on pinned copies, every result checked; allreduce at 4 ranks (busbw).
+#    on pinned copies, every result checked; allreduce at 4 ranks (busbw); and where
+#    ipc and staging cross over: allreduce and allgather from 256 B to 1 MiB at 2 ranks
+#    (what auto picks for the small calls of FSDP and hook-less training).
 # TESTS=0 skips the test steps (1 and 2). NCCL_RANKS (default "2 3") lists the rank
 # counts of the NCCL tests ("" for none).
 # Each step has its own time limit ($STEP_S, and what is left of $DEADLINE s for the
@@ -21,46 +23,19 @@ MPIRUN=${MPIRUN:-mpirun}
 OUT=${OUT:-bench-results/gpu-links}
 STEP_S=${STEP_S:-120}
 DEADLINE=${DEADLINE:-540}
-begun=$(date +%s)
 ITERS=${ITERS:-10}
 NCCL_RANKS=${NCCL_RANKS-2 3}  # "": no NCCL tests
 TESTS=${TESTS:-1}
 if [ "$TESTS" = 0 ]; then NCCL_RANKS=""; fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-MPI="$MPIRUN -x PYTHONPATH --oversubscribe --bind-to none"
-PYTEST="$PY -m pytest -p no:cacheprovider --color=no -q -rfEs --timeout=120 --with-mpi"
-mkdir -p "$OUT"
-status=0
-
-step() {
-  name=$1
-  shift
-  start=$(date +%s)
-  left=$((DEADLINE - (start - begun)))
-  if [ "$left" -lt 20 ]; then
-    echo "== $name: SKIPPED (the script's $DEADLINE s are spent)"
-    status=1
-    return
-  fi
-  limit=$STEP_S
-  if [ "$left" -lt "$limit" ]; then limit=$left; fi
-  echo "== $name (limit $limit s)"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  tail -n 40 "$OUT/$name.log"
-  echo "-- $name: rc=$rc in $(( $(date +%s) - start )) s"
-  [ "$rc" = 0 ] || status=1
-}
-
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+. benchmarks/gpu_steps.sh
+PYTEST="$PYTEST --timeout=120 --with-mpi"
 $PY -c "
 import cupy
 from cupy.cuda import nccl
 print('cupy', cupy.__version__, 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion(),
       'NCCL', nccl.get_version())" | tee -a "$OUT/device.txt"
 
-[ "$TESTS" = 0 ] || step ipc-tests-np2 $MPI -np 2 -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
+[ "$TESTS" = 0 ] || step ipc-tests-np2 $MPI_TESTS -np 2 -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
   $PYTEST -k "not fake and (ipc or auto)" tests/mpi/test_gpu.py
 
 BENCH="$PY -m benchmarks"
@@ -76,12 +51,17 @@ step bench-allgather-np2 $MPI -np 2 $BENCH allgather $COMMON --algorithm ipc,rin
 step bench-allreduce-f32-np4 $MPI -np 4 $BENCH allreduce -b 1M -e 256M -f 16 -n $ITERS -w 3 \
   --array cupy --impl mpitrain,mpi --outputs given --algorithm ipc \
   --json "$OUT/allreduce-f32-np4.json"
+for collective in allreduce allgather; do
+  step "bench-$collective-small-np2" $MPI -np 2 $BENCH $collective -b 256 -e 1M -f 4 \
+    -n 20 -w 3 --array cupy --impl mpitrain,mpi --outputs given --algorithm ipc,ring,auto \
+    --json "$OUT/$collective-small-np2.json"
+done
 for n in 3; do
-  [ "$TESTS" = 0 ] || step "ipc-tests-np$n" $MPI -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
+  [ "$TESTS" = 0 ] || step "ipc-tests-np$n" $MPI_TESTS -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
     $PYTEST -k "not fake and (ipc or auto)" tests/mpi/test_gpu.py
 done
 for n in $NCCL_RANKS; do
-  step "nccl-tests-np$n" $MPI -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh -c \
+  step "nccl-tests-np$n" $MPI_TESTS -np $n -x MPITRAIN_STALL_TIMEOUT_S=60 sh -c \
     'NCCL_HOSTID=h$OMPI_COMM_WORLD_RANK exec sh tests/mpi_rank.sh "$@"' sh \
     $PYTEST -k "not fake and nccl and (float32 or bfloat16 or int8 or float64 or int16)" \
     tests/mpi/test_gpu.py
