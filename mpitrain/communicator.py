@@ -533,9 +533,8 @@ class Communicator:
             # the engine's own dispatcher runs under this one's settings (shared memory
             # only if this one has it)
             engine = self._engine = Engine(d.mpi_comm, d.settings.changed(
-                shm=d.settings.shm and d.shm is not None))
+                shm=d.settings.shm and d.shm is not None), self.ordered)
             engine.join_serves = self._join_serves
-            engine.ordered = self.ordered
         return engine
 
     # -- lifetime ----------------------------------------------------------------------

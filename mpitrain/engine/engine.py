@@ -142,9 +142,11 @@ class Engine:
             dispatcher duplicates it (collective).
         settings: the communicator's settings (also the engine's: fusion threshold,
             cycle time).
+        ordered: the callers make their unnamed submissions in one order on every rank,
+            whatever their kinds (:attr:`ordered`).
     """
 
-    def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
+    def __init__(self, comm: MPI.Intracomm, settings: Settings, ordered: bool = False) -> None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise CommunicationError(
                 f"rank {comm.Get_rank()}: async operations need MPI_THREAD_MULTIPLE, but MPI "
@@ -158,7 +160,7 @@ class Engine:
         self._waiters = Waiters(self._drive)
         self._negotiator = Negotiator(self.dispatcher.mpi_comm, self._cycle_seconds(),
                                       self._waiters, self.dispatcher.shm,
-                                      self.dispatcher.transport)
+                                      self.dispatcher.transport, ordered)
         self._runner = BucketRunner(self.dispatcher)
         if self.dispatcher.shm is not None:  # its barriers wait without taking the callers' core
             self.dispatcher.shm.others_busy = self._waiters.none_blocked
@@ -190,13 +192,12 @@ class Engine:
         ``join()``, fails with :class:`~mpitrain.CommunicationError` on the ranks that
         submitted it. The submitting ranks' setting decides (the lowest rank's, should
         they differ), so every rank reaches the same verdict."""
-        self.ordered = False
+        self.ordered = ordered
         """True where the callers make their unnamed submissions in one order on every
         rank, whatever their kinds (torch.distributed's rule): they are numbered from
         one counter (:data:`ORDERED`) instead of one per kind, so that ranks whose
         ``n``-th unnamed submissions are of different kinds get
-        :class:`~mpitrain.MismatchError` instead of waiting for each other. Set before
-        the first submission."""
+        :class:`~mpitrain.MismatchError` instead of waiting for each other."""
         self._met = False  # a meeting point was submitted (the cycles look for them)
         # per thread: .on, the thread is in a call() block; .serials, its serials once drawn
         self._call = threading.local()

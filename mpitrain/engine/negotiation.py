@@ -190,11 +190,16 @@ class Negotiator:
             progress loop, whose idle yield costs tens of microseconds per exchange).
         transport: the engine's transport, whose stall inspector watches the
             exchanges (``None``: stalls are not watched).
+        ordered: the engine is ordered (``Engine.ordered``): its unnamed submissions
+            carry call numbers (:func:`ordered_call`), and waiting calls that can never
+            run are given up (:meth:`_give_up_calls`).
     """
 
     def __init__(self, comm: MPI.Intracomm, max_poll_s: float, waiters: Waiters,
-                 shm: SharedMemory | None = None, transport: Transport | None = None) -> None:
+                 shm: SharedMemory | None = None, transport: Transport | None = None,
+                 ordered: bool = False) -> None:
         self.comm = comm
+        self.ordered = ordered
         self.waiters = waiters
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.max_poll_s = max_poll_s
@@ -282,7 +287,7 @@ class Negotiator:
                 self._collect(agreement)
         elif self.table and agreement.joined:  # a join can make waiting names ready
             self._collect(agreement)
-        if agreement.mismatched or (self.table and self.latest_call[self.rank] >= 0):
+        if agreement.mismatched or (self.ordered and self.table):
             self._give_up_calls(agreement)
         if self.table:
             expire = max(h[3] for h in heads)
