@@ -308,10 +308,11 @@ inspector): fixed when it is created. ``configure`` refuses to change them."""
 
 ALL_SETTINGS: tuple[Setting[Any], ...] = tuple(
     value for value in list(globals().values()) if isinstance(value, Setting))
-OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE", "MPITRAIN_ELASTIC_REPORT"})
+OTHER_NAMES = frozenset({"MPITRAIN_RESTART", "MPITRAIN_COMPILE", "MPITRAIN_ELASTIC_REPORT",
+                         "MPITRAIN_TEST_EVERY_CASE"})
 """Variables that are not settings: set by ``mpitrain-run --max-restarts`` for the
 script, read by ``setup.py``, set by ``mpitrain-run --elastic`` for
-:mod:`mpitrain.run_rank`."""
+:mod:`mpitrain.run_rank`, read by the test suite (``tests/conftest.py``)."""
 
 
 HOROVOD_LOG_LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warning",
