@@ -16,11 +16,13 @@
 #    library is), allreduce 1 MiB .. 1 GiB, the others 1 MiB .. 256 MiB.
 # Tables, JSON and logs go to $OUT; paste the tables, the device line and the commands
 # into BENCHMARKS.md. Ranks share the node's GPUs (rank i uses GPU local_rank % count).
-# The exit status is 1 if any step failed or hung.
+# The exit status is 1 if any step failed, hung or was skipped.
 #
 # Settings (environment): PY (python with mpitrain's requirements, CuPy, pytest-mpi,
 # pytest-timeout), MPIRUN, NP (ranks, default 4: the ring forwards segments from 3 ranks
-# on), OUT (default bench-results/gpu), ITERS (default 20), BENCH (1), JOB_S (900).
+# on), OUT (default bench-results/gpu), ITERS (default 20), BENCH (1), JOB_S (900: each
+# step's limit), DEADLINE (seconds for the whole script, default 0: none; a step that
+# would start with less than 20 s of it left is skipped).
 set -u
 cd "$(dirname "$0")/.."
 # PY and MPIRUN: as set, else the checkout's .venv, else the PATH's (make passes its own
