@@ -18,8 +18,6 @@
 # go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-MPIRUN=${MPIRUN:-mpirun}
 OUT=${OUT:-bench-results/gpu-links}
 STEP_S=${STEP_S:-120}
 DEADLINE=${DEADLINE:-540}

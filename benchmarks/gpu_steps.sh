@@ -1,6 +1,7 @@
 # Sourced by mpitrain's GPU scripts (gpu_check.sh, gpu_links.sh, gpu_torch.sh), from the
-# checkout's root, once PY, MPIRUN and OUT are set: their environment, and one way to run
-# a step with a time limit and a deadline for the whole script.
+# checkout's root, once OUT is set (PY and MPIRUN default to python3 and mpirun): their
+# environment, and one way to run a step with a time limit and a deadline for the whole
+# script.
 #
 # It sets MPI (mpirun with the checkout on PYTHONPATH, ranks unbound), MPI_TESTS (the same
 # for pytest jobs: every case at every rank count, see tests/conftest.py), PYTEST (pytest,
@@ -13,6 +14,8 @@
 # seconds (0: no deadline), counted from when this file was sourced. A step that would
 # start with less than 20 s left is skipped and reported. A failure, a hang (killed at its
 # limit) or a skip sets status=1; the next step runs.
+PY=${PY:-python3}
+MPIRUN=${MPIRUN:-mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 MPI="$MPIRUN -x PYTHONPATH --oversubscribe --bind-to none"

@@ -20,8 +20,6 @@
 # ITERS (default 10). The exit status is 1 if any step failed, hung or was skipped.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-MPIRUN=${MPIRUN:-mpirun}
 OUT=${OUT:-bench-results/gpu-torch}
 STEP_S=${STEP_S:-150}
 DEADLINE=${DEADLINE:-420}
