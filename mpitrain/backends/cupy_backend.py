@@ -44,7 +44,12 @@ _MEMCPY_DEVICE_TO_HOST = 2
 
 def as_stream(stream: Any) -> Any:
     """A CuPy stream for ``stream``: None (the current stream), a CuPy stream, an object
-    with ``cuda_stream`` (torch) or ``ptr``, or a raw ``cudaStream_t`` integer."""
+    with ``cuda_stream`` (torch) or ``ptr``, or a raw ``cudaStream_t`` integer.
+
+    Another library's stream is wrapped with ``cupy.cuda.Stream.from_external`` (the
+    CUDA stream protocol, CuPy 14 and later; the wrapper never destroys the stream),
+    or with ``cupy.cuda.ExternalStream`` where CuPy has no ``from_external`` (CuPy 14
+    deprecates it)."""
     if stream is None:
         return cupy.cuda.get_current_stream()
     if isinstance(stream, cupy.cuda.Stream):
@@ -53,7 +58,24 @@ def as_stream(stream: Any) -> Any:
     if not isinstance(handle, int):
         raise TypeError(f"stream= must be a CUDA stream (cupy, torch or an int handle), got "
                         f"{type(stream).__name__}")
-    return cupy.cuda.ExternalStream(handle)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(handle)
+    return from_external(StreamHandle(handle))
+
+
+class StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol, for
+    ``cupy.cuda.Stream.from_external``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """``(0, handle)``: the protocol's version 0."""
+        return (0, self.ptr)
 
 
 _BUFFER_ID = 7

@@ -144,6 +144,61 @@ def test_device_array_without_cupy_says_what_to_install() -> None:
         done.stdout + done.stderr
 
 
+STUB_CUPY = """
+import sys, types, warnings
+warnings.simplefilter("error")  # a DeprecationWarning fails the run
+cupy = types.ModuleType("cupy")
+cupy.add = cupy.minimum = cupy.maximum = cupy.multiply = object()
+made = []
+class _Base:
+    def __init__(self, ptr):
+        self.ptr = ptr
+class Stream(_Base):
+    pass
+def from_external(obj):
+    made.append(("from_external", obj.__cuda_stream__()))
+    return Stream(obj.__cuda_stream__()[1])
+class ExternalStream(_Base):
+    def __init__(self, ptr):
+        if WITH_FROM_EXTERNAL:
+            warnings.warn("ExternalStream is deprecated", DeprecationWarning)
+        made.append(("ExternalStream", ptr))
+        super().__init__(ptr)
+if WITH_FROM_EXTERNAL:
+    Stream.from_external = staticmethod(from_external)
+current = Stream(0)
+cupy.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=ExternalStream,
+                                  get_current_stream=lambda: current)
+sys.modules["cupy"] = cupy
+from mpitrain.backends.cupy_backend import as_stream
+class TorchStream:
+    cuda_stream = 1234
+assert as_stream(None) is current
+mine = Stream(7)
+assert as_stream(mine) is mine
+for given in (TorchStream(), types.SimpleNamespace(ptr=1234), 1234):
+    assert as_stream(given).ptr == 1234, given
+try:
+    as_stream("stream")
+except TypeError as exc:
+    assert "must be a CUDA stream" in str(exc)
+else:
+    raise AssertionError("a string was taken as a stream")
+print(made)
+"""
+
+
+@pytest.mark.parametrize("cupy14", [True, False])
+def test_foreign_streams_are_wrapped_as_the_installed_cupy_wants(cupy14: bool) -> None:
+    """CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external`` (the CUDA
+    stream protocol): a torch stream, an object with ``ptr`` and a raw handle take the
+    new way where CuPy has it, without a DeprecationWarning, and the old one before."""
+    done = run_python(f"WITH_FROM_EXTERNAL = {cupy14}\n" + STUB_CUPY)
+    assert done.returncode == 0, done.stderr
+    kind = "('from_external', (0, 1234))" if cupy14 else "('ExternalStream', 1234)"
+    assert done.stdout.strip() == "[" + ", ".join([kind] * 3) + "]", done.stdout
+
+
 # -- the numpy side of the interface ----------------------------------------------------
 def test_numpy_backend_fusion_casts_and_fused_scaling() -> None:
     parts = [np.arange(3.0), np.zeros(0), np.arange(5.0) + 10]

@@ -180,3 +180,31 @@ def test_backend_covers_dtypes_without_kernels() -> None:
         want = np.empty(50, dtype)
         NUMPY.reduce_into(want, a_host, b_host, ReduceOp.SUM, 0.5)
         assert np.array_equal(cupy.asnumpy(out), want), dtype
+
+
+def test_foreign_streams_are_used_without_deprecation_and_outlive_their_wrapper() -> None:
+    """A raw ``cudaStream_t`` (how a torch stream reaches the backend) becomes a CuPy
+    stream without CuPy 14's ExternalStream warning, runs the scope's work, and stays
+    usable once its wrapper is gone (the wrapper never destroys it)."""
+    import gc
+    import warnings
+
+    from mpitrain.backends.cupy_backend import CUPY, as_stream
+
+    owner = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.arange(1000, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        wrapped = as_stream(owner.ptr)
+        assert wrapped.ptr == owner.ptr
+        with CUPY.scope(x, owner.ptr):
+            assert cupy.cuda.get_current_stream().ptr == owner.ptr
+            x *= 2
+        event = CUPY.record(x, owner.ptr)
+    del wrapped
+    gc.collect()
+    event.synchronize()
+    with owner:  # still a valid stream
+        x += 1
+    owner.synchronize()
+    assert np.array_equal(cupy.asnumpy(x), np.arange(1000, dtype=np.float32) * 2 + 1)
