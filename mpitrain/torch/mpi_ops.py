@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from .. import session, timeline
+from ..comm import nccl
 from ..communicator import Communicator
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
@@ -156,8 +157,14 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    """0: mpitrain has no NCCL operations (GPU tensors go through MPI)."""
-    return 0
+    """The version of the NCCL that CUDA tensors can use (Horovod's encoding, e.g. 22304
+    for 2.23.4: what ``cupy.cuda.nccl.get_version()`` returns), or 0 where there is none:
+    no GPU (:func:`cuda_built` False) or no NCCL in CuPy. Where it is not 0, collectives
+    of CUDA tensors run on NCCL where no two ranks share a GPU (docs/gpu.md, "Device
+    links"); elsewhere over CUDA IPC or MPI."""
+    if not cuda_built():
+        return 0
+    return nccl.nccl_version() or 0
 
 
 def ddl_built() -> bool:

@@ -183,3 +183,16 @@ def test_join_with_uneven_steps_on_cuda(gpu: Any) -> None:
     want = [float(n - i) for i in range(r + 1)]  # ranks i..n-1 take part in step i
     check(last == n - 1 and all(t.device == gpu and torch.equal(t.cpu(), torch.full((4,), w))
                                 for t, w in zip(results, want)), "join on CUDA")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_build_flags_on_a_gpu(gpu: Any) -> None:
+    """``cuda_built()`` is True here, and ``nccl_built()`` is the version of CuPy's NCCL
+    (0 without one), as Horovod's flag is the version of the NCCL it was built with."""
+    check(hvd.cuda_built(), "cuda_built() on a GPU")
+    try:
+        from cupy.cuda import nccl
+        version = int(nccl.get_version())
+    except Exception:
+        version = 0
+    check(hvd.nccl_built() == version, f"nccl_built() {hvd.nccl_built()} != {version}")
