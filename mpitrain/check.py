@@ -59,8 +59,10 @@ def _module_version(name: str) -> str | None:
 
 
 def _nccl(torch_version: str | None, cupy_version: str | None) -> str:
-    """The NCCL versions that torch and CuPy carry, if any (mpitrain does not use NCCL)."""
+    """The NCCL versions that torch and CuPy carry, if any, and whether mpitrain can use
+    one (CuPy's, for device buffers where no two ranks share a GPU)."""
     found = []
+    usable = False
     if torch_version and torch_version[0].isdigit():
         try:
             import torch
@@ -74,10 +76,15 @@ def _nccl(torch_version: str | None, cupy_version: str | None) -> str:
             from cupy.cuda import nccl
 
             found.append(f"CuPy's {nccl.get_version()}")
+            usable = True
         except Exception:  # CuPy built without NCCL
             pass
     where = ", ".join(found) if found else "not found"
-    return f"{where} (mpitrain does not use NCCL: its collectives go through MPI)"
+    if usable:
+        return (f"{where} (mpitrain runs device collectives on CuPy's where no two ranks "
+                "share a GPU; docs/gpu.md)")
+    return (f"{where} (mpitrain uses CuPy's NCCL only; device collectives run over CUDA IPC "
+            "and MPI)")
 
 
 def _cupy(version: str | None) -> str:

@@ -47,6 +47,28 @@ def test_the_report_names_version_build_and_mpi(printed: dict[str, str]) -> None
         assert printed[name], f"the report says nothing about {name}"
 
 
+def test_the_nccl_line_says_whether_mpitrain_can_use_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy's NCCL is the one mpitrain runs on (a stand-in ``cupy.cuda.nccl`` here);
+    without it the line says what device collectives run over instead."""
+    import types
+
+    fake = types.ModuleType("cupy.cuda.nccl")
+    fake.get_version = lambda: 22304  # type: ignore[attr-defined]
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = fake  # type: ignore[attr-defined]
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", fake)):
+        monkeypatch.setitem(sys.modules, name, module)
+    line = check._nccl(None, "14.2.0")
+    assert line.startswith("CuPy's 22304 (") and "runs device collectives on" in line
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)  # CuPy without NCCL
+    del cuda.nccl  # type: ignore[attr-defined]
+    line = check._nccl(None, "14.2.0")
+    assert line.startswith("not found (") and "CUDA IPC and MPI" in line
+
+
 def test_the_report_lists_every_algorithm(printed: dict[str, str]) -> None:
     for collective, names in ALGORITHMS.items():
         listed = [n.split(" (")[0] for n in printed[collective].split(", ")]
