@@ -12,7 +12,11 @@
 #    float32, bfloat16, float16 and int32 at 2 ranks;
 # 4. step 1's backend module at 3 ranks;
 # 5. the float32 allreduce benchmark at 2 ranks, ipc against the staged ring and MPI's own
-#    collective on pinned copies, 1 MiB .. 256 MiB, every result checked.
+#    collective on pinned copies, 1 MiB .. 256 MiB, every result checked;
+# 6. where py-spy is found ($PYSPY, default py-spy on PATH; a copy of the static binary in
+#    .venv/bin works there), FSDP2's ConvNet training on CUDA at 2 ranks sampled on every
+#    thread into $OUT/fsdp2-stacks.RANK.txt, and the report of python -m benchmarks.stacks
+#    on them in the step's log.
 # Ranks share the node's GPUs (rank i uses GPU local_rank % count). Each step has its own
 # limit ($STEP_S, default 150 s) within the script's $DEADLINE (default 420 s); a step that
 # would start later is skipped and reported. Logs and JSON go to $OUT (default
@@ -45,6 +49,15 @@ step torch-tests-np3 $MPI_TESTS -np 3 -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mp
 step bench-allreduce-f32-np2 $MPI -np 2 $PY -m benchmarks allreduce -b 1M -e 256M -f 4 \
   -n "$ITERS" -w 3 --array cupy --impl mpitrain,mpi --outputs given --algorithm ipc,ring \
   --json "$OUT/allreduce-f32-np2.json"
+PYSPY=${PYSPY:-$(command -v py-spy || true)}
+if [ -n "$PYSPY" ]; then
+  step profile-fsdp2-np2 sh -c "$MPI -np 2 sh -c 'exec $PYSPY record -r 200 --threads --idle \
+    -f raw -o $OUT/fsdp2-stacks.\$OMPI_COMM_WORLD_RANK.txt -- $PY -m benchmarks train \
+    --device cuda --impl fsdp-mpitrain --model convnet --rounds 1 --against reference' &&
+    $PY -m benchmarks.stacks $OUT/fsdp2-stacks.*.txt --top 15"
+else
+  echo "== profile-fsdp2-np2: not run (no py-spy; set PYSPY)"
+fi
 if [ "$status" = 0 ]; then echo "== done: every step passed"; else
   echo "== done: some step FAILED, HUNG or was SKIPPED (above)"; fi
 exit $status
