@@ -40,8 +40,17 @@ class Pending:
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        """True once every handle is done (never blocks)."""
+        """True once every handle is done (never blocks; while not, it lets go of the GIL
+        for a moment, as :meth:`~mpitrain.engine.Handle.test` does, for callers that
+        poll)."""
         return all(h.test() for h in self.handles)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every handle is done, as :meth:`done` says, but without letting go of
+        the GIL: for a caller that asks once and goes on (letting go would hand the GIL
+        to the engine's thread, in mid-cycle, for up to a switch interval)."""
+        return all(h.done for h in self.handles)
 
     def wait(self) -> Any:
         """Wait for every handle and return the output (raising the operation's error,

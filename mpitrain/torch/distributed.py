@@ -458,7 +458,7 @@ class Work(dist.Work):
                 return
             future.set_result(self._outputs)
 
-        if self._pending.done():  # done already: complete it here, on the caller's thread
+        if self._pending.finished:  # done already: complete it here, on the caller's thread
             complete()
         else:
             self._pending.add_done_callback(lambda _: _COMPLETER.submit(complete))

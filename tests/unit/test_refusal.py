@@ -66,6 +66,30 @@ class _Done:
         return True
 
 
+class _Running:
+    """A handle still in flight whose test() yields the GIL (counted)."""
+
+    done = False
+
+    def __init__(self) -> None:
+        self.tests = 0
+
+    def test(self) -> bool:
+        self.tests += 1
+        return False
+
+
+def test_finished_asks_without_testing() -> None:
+    """``Pending.finished`` reads each handle's ``done`` (``test()`` would let go of the
+    GIL: torch.distributed's Work.get_future asks it once, on the training thread)."""
+    running = _Running()
+    pending = Pending([running], lambda: None)  # type: ignore[list-item]
+    assert not pending.finished and running.tests == 0
+    assert not pending.done() and running.tests == 1
+    running.done = True
+    assert pending.finished
+
+
 def test_handles_count_up_and_synchronize_once_then_weakly() -> None:
     table = HandleTable(lambda: 3, kept=2)
     out = _Done(None)  # an output object (a tensor in the adapters)
