@@ -13,11 +13,20 @@ lists of backends that support DDP, subgroups, device tensors and plugins are to
 ``mpitrain`` does, so those tests run too; a test for another backend's own API or
 behaviour (gloo's ``monitored_barrier``, NCCL's CUDA calls) skips itself as torch has it.
 
+torch gates some tests to the backends it ships, by name (``all_to_all`` on CPU to
+``mpi``; barrier timeouts, sparse ``all_reduce`` and batched CPU point-to-point to
+``gloo``). ``--as mpi`` or ``--as gloo`` runs the module under that name: its gates and
+the branches of its tests read the name, while every group it makes, the default one
+included, is still an ``"mpitrain"`` group (``init_process_group`` and ``new_group``
+given the name get ``"mpitrain"``). The tests of that backend's own API, which no other
+backend has (:data:`NOT_OURS`), are left out then. ``--as mpi`` needs 3 ranks or more.
+
 A test's outcome is the worst over the ranks: ``passed``, ``skipped`` (with torch's
-reason) or ``failed`` (with each failed rank's traceback); after a failure every rank
-makes the default group anew, so that what the failed test left in flight cannot reach
-the next one. A test that outlives ``--limit`` seconds ends the run with every rank's
-stack (``faulthandler``). The last line counts the outcomes; the exit status is 1 if a
+reason) or ``failed`` (with each failed rank's traceback); after a failure, and after
+a test that made the default group anew, every rank makes the default group anew, so
+that what the test left in flight (or broke on purpose) cannot reach the next one. A test
+that outlives ``--limit`` seconds ends the run with every rank's stack
+(``faulthandler``). The last line counts the outcomes; the exit status is 1 if a
 test failed. The module needs ``expecttest`` (``pip install expecttest``).
 """
 
@@ -39,6 +48,12 @@ from typing import Any
 from mpi4py import MPI
 
 OUTCOMES = ("passed", "skipped", "failed")
+NOT_OURS = {
+    "gloo": ("test_get_backend", "test_monitored_barrier*"),
+    "mpi": ("test_get_backend",),
+}
+"""Under ``--as NAME``, the tests of NAME's own API (``get_backend`` returns
+``"mpitrain"``; ``monitored_barrier`` is gloo's alone in torch), left out."""
 FEATURES = ("ddp", "subgroup", "gpu", "plugin")
 """torch's lists of the backends that support a feature (``DistTestCases``), which
 name ``mpitrain`` here."""
@@ -48,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("patterns", nargs="*", default=["*"],
                         help="fnmatch patterns of the test names to run (default: all)")
+    parser.add_argument("--as", dest="as_backend", choices=sorted(NOT_OURS), default=None,
+                        help="run torch's tests as if the backend were named this (its "
+                             "gates and branches); the groups stay mpitrain's")
     parser.add_argument("--skip", action="append", default=[],
                         help="fnmatch pattern of test names to leave out (repeatable)")
     parser.add_argument("--timeout", type=float, default=20.0,
@@ -58,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                              "rank's stack")
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
+    if args.as_backend == "mpi" and world.Get_size() < 3:
+        parser.error("--as mpi needs 3 ranks or more: the subgroup tests that torch runs "
+                     "for mpi at any world size use ranks 1 and 2")
     rank = world.Get_rank()
     scratch = world.bcast(tempfile.mkdtemp(prefix="torch-conformance-") if rank == 0
                           else None)
@@ -65,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("barrier", "test_dir", "init_dir"):
             os.mkdir(os.path.join(scratch, name))
     os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")
-    os.environ.update(BACKEND="mpitrain", WORLD_SIZE=str(world.Get_size()), TEMP_DIR=scratch,
+    os.environ.update(BACKEND=args.as_backend or "mpitrain", WORLD_SIZE=str(world.Get_size()),
+                      TEMP_DIR=scratch,
                       INIT_METHOD="file://" + os.path.join(scratch, "init_dir", "unused"))
     try:
         return run(args, world, scratch)
@@ -92,9 +114,15 @@ def run(args: argparse.Namespace, world: Any, scratch: str) -> int:
         world_size = property(lambda self: os.environ["WORLD_SIZE"])  # (a string there too)
         init_method = property(lambda self: os.environ["INIT_METHOD"])
 
-    def make_group() -> None:
+    if args.as_backend:
+        args.skip += NOT_OURS[args.as_backend]
+        for name in ("init_process_group", "new_group"):
+            setattr(dist, name, _as_ours(getattr(dist, name), args.as_backend))
+
+    def make_group() -> Any:
         dist.init_process_group("mpitrain",
                                 timeout=datetime.timedelta(seconds=args.timeout))
+        return dist.group.WORLD
 
     rank = world.Get_rank()
     names = [n for n in sorted(dir(Tests)) if n.startswith("test_")
@@ -102,7 +130,7 @@ def run(args: argparse.Namespace, world: Any, scratch: str) -> int:
              and not any(fnmatch.fnmatch(n, p) for p in args.skip)]
     barriers = os.path.join(scratch, "barrier")
     counts = dict.fromkeys(OUTCOMES, 0)
-    make_group()
+    made = make_group()
     for name in names:
         if rank == 0:  # torch's file barrier of the test starts from nothing
             for entry in os.listdir(barriers):
@@ -122,13 +150,26 @@ def run(args: argparse.Namespace, world: Any, scratch: str) -> int:
         if rank == 0:
             why = f" ({detail})" if worst == "skipped" and detail else ""
             print(f"{worst} {name} {time.monotonic() - began:.1f} s{why}", flush=True)
-        if worst == "failed":
-            dist.destroy_process_group()
-            make_group()
+        # a test that failed, or one that made the default group anew (with a timeout
+        # it then runs into on purpose), leaves the next one a group of its own
+        if worst == "failed" or dist.group.WORLD is not made:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            made = make_group()
     dist.destroy_process_group()
     if rank == 0:
         print(" ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
     return 1 if counts["failed"] else 0
+
+
+def _as_ours(make: Any, alias: str) -> Any:
+    """``make`` (``init_process_group``, ``new_group``) with a ``backend`` named ``alias``
+    made an ``"mpitrain"`` group."""
+    def made(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("backend") == alias:
+            kwargs["backend"] = "mpitrain"
+        return make(*args, **kwargs)
+    return made
 
 
 def run_one(test: Any, name: str, rank: int) -> tuple[str, str]:

@@ -116,13 +116,16 @@ class PeerState:
 
 
 def describe(rank: int, collective: str, seq: int, waited: float,
-             peers: list[PeerState] | None, blind: str = "") -> str:
+             peers: list[PeerState] | None, blind: str = "", timed_out: bool = False) -> str:
     """The stall report of ``rank``: who has not arrived at its collective ``seq``.
 
     ``peers`` is None when no survey could be made, for the reason ``blind``.
+    ``timed_out``: the report of the stall timeout (a StallError, an abort), which says
+    so in words that log scanners look for ("timeout"), not only of a long wait.
     """
-    head = (f"rank {rank}: {collective} (collective #{seq} on this communicator) has "
-            f"waited {waited:.1f} s")
+    waits = "hit the stall timeout after" if timed_out else "has waited"
+    head = (f"rank {rank}: {collective} (collective #{seq} on this communicator) {waits} "
+            f"{waited:.1f} s")
     if peers is None:
         return head + f" for other ranks; which ones have not arrived is unknown ({blind})"
     late = [p for p in peers if p.seq is not None and p.seq < seq]
@@ -230,13 +233,14 @@ class Inspector:
         survey.done.wait(SURVEY_S + 1.0)
         return survey.result if survey.done.is_set() else None
 
-    def report(self, collective: str, seq: int, waited: float) -> str:
+    def report(self, collective: str, seq: int, waited: float,
+               timed_out: bool = False) -> str:
         """:func:`describe` of this rank's stall, with a fresh survey."""
         peers = self.survey()
         blind = (f"the stall inspector stopped: {self.stopped}" if self.stopped else
                  "the stall inspector needs MPI.THREAD_MULTIPLE" if self.comm is None else
                  "the survey did not finish")
-        return describe(self.rank, collective, seq, waited, peers, blind)
+        return describe(self.rank, collective, seq, waited, peers, blind, timed_out)
 
     def close(self, free: bool = True) -> None:
         """Stop serving and (if ``free``) release the inspector communicator."""
@@ -306,7 +310,7 @@ class Inspector:
                 and waited >= self.timeout_s):
             self._aborting = True
             self._queue.append(Survey(lambda peers: abort(
-                describe(self.rank, collective, seq, waited, peers))))
+                describe(self.rank, collective, seq, waited, peers, timed_out=True))))
 
     def _progress(self, now: float) -> None:
         assert self.comm is not None

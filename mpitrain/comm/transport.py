@@ -286,7 +286,7 @@ class Transport:
         ins = self.inspector
         if ins.timeout_s and total >= ins.timeout_s:
             if ins.action == "abort":
-                abort(ins.report(self.what(), self.seq, total))
+                abort(ins.report(self.what(), self.seq, total, timed_out=True))
             raise self.stalled(total)
         # the daemon warns of this wait itself (the barrier raises ``waiting``): one
         # warning per stall, from here only where no daemon watches
@@ -333,7 +333,7 @@ class Transport:
 
     def stalled(self, waited: float) -> StallError:
         """Break the transport after a wait of ``waited`` s: the StallError to raise."""
-        self.broken = self.inspector.report(self.what(), self.seq, waited)
+        self.broken = self.inspector.report(self.what(), self.seq, waited, timed_out=True)
         return StallError(f"{self.broken}. This communicator is now unusable: messages of the "
                        "interrupted collective may still be in flight, and every later call on "
                        "it raises StallError. Create a new mpitrain.Communicator (or call "

@@ -29,6 +29,11 @@ def test_stall_report_names_late_other_and_silent_ranks() -> None:
     assert "every rank has called it" in describe(0, "allreduce", 3, 1.0,
                                                   [PeerState(1, 3, True, "allreduce")])
     assert "unknown (why)" in describe(0, "allreduce", 3, 1.0, None, "why")
+    # the timeout's report (StallError, abort) says "timeout", as log scanners (and
+    # torch's tests of a backend's timed-out barrier) look for
+    assert describe(0, "barrier", 3, 1.0, None, "why", timed_out=True).startswith(
+        "rank 0: barrier (collective #3 on this communicator) hit the stall timeout after "
+        "1.0 s for other ranks")
 
 
 def test_stall_report_says_where_a_late_rank_waits_elsewhere() -> None:
