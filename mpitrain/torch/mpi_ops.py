@@ -22,7 +22,6 @@ import torch
 from mpi4py import MPI
 
 from .. import session, timeline
-from ..comm import nccl
 from ..communicator import Communicator
 from ..errors import ArgumentError, CommunicationError, MismatchError
 from ..ops import ReduceOp, parse_op
@@ -157,14 +156,13 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    """The version of the NCCL that CUDA tensors can use (Horovod's encoding, e.g. 22304
-    for 2.23.4: what ``cupy.cuda.nccl.get_version()`` returns), or 0 where there is none:
-    no GPU (:func:`cuda_built` False) or no NCCL in CuPy. Where it is not 0, collectives
-    of CUDA tensors run on NCCL where no two ranks share a GPU (docs/gpu.md, "Device
-    links"); elsewhere over CUDA IPC or MPI."""
-    if not cuda_built():
-        return 0
-    return nccl.nccl_version() or 0
+    """0: the operations behave as those of a Horovod built without NCCL, whatever
+    carries a CUDA tensor's bytes (CUDA IPC or NCCL inside a node, docs/gpu.md). A
+    Horovod built with NCCL answers its version and then changes what some operations
+    compute (``op=Adasum`` on GPUs averages within each node first), so scripts and
+    Horovod's tests read this flag as that semantics: mpitrain's Adasum is over every
+    rank."""
+    return 0
 
 
 def ddl_built() -> bool:

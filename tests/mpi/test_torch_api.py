@@ -49,7 +49,7 @@ def test_identity() -> None:
     assert 0 <= hvd.cross_rank() < hvd.cross_size()
     assert hvd.local_size() * hvd.cross_size() == hvd.size()  # one node, or balanced nodes
     assert hvd.mpi_threads_supported() and hvd.mpi_enabled() and hvd.mpi_built()
-    assert not hvd.gloo_enabled() and not hvd.gloo_built()
+    assert not hvd.gloo_enabled() and not hvd.gloo_built() and hvd.nccl_built() == 0
     hvd.init()  # idempotent
     assert hvd.size() == world.Get_size()
 

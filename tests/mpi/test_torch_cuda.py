@@ -187,12 +187,8 @@ def test_join_with_uneven_steps_on_cuda(gpu: Any) -> None:
 
 @pytest.mark.mpi(min_size=1)
 def test_build_flags_on_a_gpu(gpu: Any) -> None:
-    """``cuda_built()`` is True here, and ``nccl_built()`` is the version of CuPy's NCCL
-    (0 without one), as Horovod's flag is the version of the NCCL it was built with."""
-    check(hvd.cuda_built(), "cuda_built() on a GPU")
-    try:
-        from cupy.cuda import nccl
-        version = int(nccl.get_version())
-    except Exception:
-        version = 0
-    check(hvd.nccl_built() == version, f"nccl_built() {hvd.nccl_built()} != {version}")
+    """``cuda_built()`` is True here; ``nccl_built()`` stays 0 even where CuPy has NCCL
+    (and device collectives use it): it tells Horovod scripts which semantics the
+    operations have (Adasum over every rank), not what carries the bytes."""
+    check(hvd.cuda_built() and hvd.nccl_built() == 0,
+          f"cuda_built() {hvd.cuda_built()}, nccl_built() {hvd.nccl_built()}")

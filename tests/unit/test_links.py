@@ -330,21 +330,3 @@ def test_nccl_init_failure_names_the_rank(link: NcclLink, fake: FakeNccl,
             link.communicator()
     assert link.communicator() is fake.communicators[0]
     assert fake.unique_ids == 2
-
-
-def test_horovod_nccl_built_is_the_version_cuda_tensors_can_use(
-        backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``hvd.nccl_built()`` is Horovod's NCCL version code where CUDA tensors can run on
-    NCCL (a GPU, and NCCL in CuPy), else 0 (Horovod's test suite skips what NCCL before
-    2.7 lacks by it)."""
-    pytest.importorskip("torch")
-    from mpitrain.torch import mpi_ops
-
-    monkeypatch.setattr(mpi_ops, "cuda_built", lambda: True)
-    with fake_nccl(backend, version=22304):
-        assert mpi_ops.nccl_built() == 22304
-        monkeypatch.setattr(mpi_ops, "cuda_built", lambda: False)  # no GPU: no NCCL
-        assert mpi_ops.nccl_built() == 0
-    monkeypatch.setattr(mpi_ops, "cuda_built", lambda: True)
-    nccl.nccl_version.cache_clear()
-    assert mpi_ops.nccl_built() == (nccl.nccl_version() or 0)  # this machine's CuPy
