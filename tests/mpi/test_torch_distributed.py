@@ -1012,6 +1012,84 @@ def test_fsdp2_equals_one_process() -> None:
     check(close(full, one_process(STEPS), 1e-12), "FSDP2")
 
 
+def tensor_parallel_model(width: int) -> Any:
+    """Two linear layers with ``width`` hidden units, float64, the same on every rank."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, 3)).double()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_tensor_parallelism_and_dtensor_redistribution() -> None:
+    """Tensor parallelism over a 1-D DeviceMesh of the group (the first layer split by
+    columns, the second by rows: DTensor's functional collectives, all_reduce in the
+    forward pass and all_gather, reduce_scatter behind the gradients) gives the output
+    and the gradients of the unsplit model; a DTensor sharded by rows and by columns
+    gathers back to the whole tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    ref, split = tensor_parallel_model(4 * n), tensor_parallel_model(4 * n)
+    parallelize_module(split, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x, y = batch(0, 5)
+    loss(ref, x, y).backward()
+    out = split(x)
+    loss(split, x, y).backward()
+    grads = [p.grad.full_tensor() for p in split.parameters()]
+    whole = torch.arange(12.0 * n, dtype=torch.float64).reshape(2 * n, 6)
+    rows = distribute_tensor(whole, mesh, [Shard(0)])
+    columns = rows.redistribute(mesh, [Shard(1)]) if 6 % n == 0 else rows
+    check(close([out], [ref(x).detach()], 1e-12) and
+          close(grads, [p.grad for p in ref.parameters()], 1e-12) and
+          torch.equal(rows.to_local(), whole[2 * dist.get_rank():2 * dist.get_rank() + 2]) and
+          torch.equal(columns.redistribute(mesh, [Replicate()]).to_local(), whole),
+          "tensor parallelism equals the unsplit model; DTensor redistributions")
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.power_of_two  # (4 ranks run every case of it: 3 and 5 would skip it)
+def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh() -> None:
+    """FSDP2 across the rows of a 2 x n/2 DeviceMesh, tensor parallelism along them
+    (its subgroups made by DeviceMesh over the backend): STEPS of SGD equal one process
+    on both data-parallel ranks' data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    n = dist.get_world_size()
+    if n % 2:
+        pytest.skip("a 2 x n/2 mesh needs an even rank count")
+    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+    ref, model = tensor_parallel_model(2 * n), tensor_parallel_model(2 * n)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mine = mesh["dp"].get_local_rank()
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(step, 2 * BATCH)
+        loss(model, x[mine::2], y[mine::2]).backward()
+        ((loss(ref, x[0::2], y[0::2]) + loss(ref, x[1::2], y[1::2])) / 2).backward()
+        opt.step()
+        ref_opt.step()
+    full = [p.full_tensor() for p in model.parameters()]
+    check(close(full, [p.detach() for p in ref.parameters()], 1e-12),
+          "FSDP2 x tensor parallelism on a 2-D mesh")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_state_dict_from_rank0_and_async_checkpoint() -> None:
     """FSDP2's way of loading: rank 0's full state dict broadcast into the shards
