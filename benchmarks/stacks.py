@@ -8,7 +8,8 @@ training run) and prints, for each thread with the most samples first, its share
 all samples and the functions most often on its stack (inclusive samples: a function
 counts once per sample however deep it recurs) and at the top of it (self samples).
 ``--match`` keeps the functions whose file path contains one of its comma-separated
-texts (``mpitrain,distributed``, say); the shares stay those of all samples. Several
+texts (``mpitrain,distributed``, say); the shares stay those of all samples (recorded
+with ``--idle``, those include the threads' waits, at the top of their stacks). Several
 files (the ranks of one run) are added up: thread names, not thread ids, tell threads
 apart.
 """
