@@ -92,12 +92,14 @@ class FakeStream:
     def __init__(self, device: FakeDevice, name: str) -> None:
         self.device, self.name = device, name
         self.queue: deque[tuple[str, Any, int]] = deque()  # (kind, item, runnable at tick)
+        self.enqueued = 0  # pieces of work queued here so far (which stream ran what)
 
     def enqueue(self, work: Callable[[], None], ticks: int | None = None) -> None:
         """Queue a piece of work that takes ``ticks`` (default: a random while)."""
         with self.device.lock:
             delay = self.device.latency() if ticks is None else ticks
             self.queue.append(("run", work, self.device.clock + delay))
+            self.enqueued += 1
 
     def mark(self, marker: _Marker) -> None:
         """Queue the marker of an event."""
@@ -510,6 +512,10 @@ class FakeBackend:
             chosen.synchronize()
             yield
             chosen.synchronize()
+
+    def stream(self, obj: object, stream: Any = None) -> FakeStream:
+        """``stream``, or this thread's current stream."""
+        return stream or self.fake.current  # type: ignore[no-any-return]
 
     def record(self, obj: object, stream: Any = None) -> FakeEvent:
         """An event recorded now on ``stream`` (default: this thread's current one)."""

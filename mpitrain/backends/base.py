@@ -98,6 +98,12 @@ class ArrayBackend(Protocol):
     def scope(self, obj: object, stream: Any = None) -> ContextManager[None]:
         """Run a collective on ``obj``'s device with ``stream`` (None: the current one)."""
 
+    def stream(self, obj: object, stream: Any = None) -> Any:
+        """The stream of ``obj``'s device that ``stream`` names (None: this thread's
+        current one), as an object :meth:`scope` and :meth:`record` take on any thread
+        later (the async engine runs an operation on the stream that produced it).
+        ``None`` for host memory."""
+
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s
         device: its ``synchronize()`` returns once the work queued there so far (what

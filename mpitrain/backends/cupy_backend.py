@@ -338,6 +338,12 @@ class CupyBackend:
                 yield
                 chosen.synchronize()
 
+    def stream(self, obj: object, stream: Any = None) -> Any:
+        """The CuPy stream ``stream`` names (None: this thread's current one on ``obj``'s
+        device; another library's stream wrapped, :func:`as_stream`)."""
+        with self.asarray(obj).device:
+            return as_stream(stream)
+
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s device."""
         with self.asarray(obj).device:

@@ -161,6 +161,10 @@ class NumpyBackend:
         """Nothing to set up for host memory; ``stream`` is ignored."""
         return contextlib.nullcontext()
 
+    def stream(self, obj: object, stream: Any = None) -> Any:
+        """Host memory has no streams (``None``)."""
+        return None
+
     def record(self, obj: object, stream: Any = None) -> Any:
         """Host memory is always ready: no event (``None``)."""
         return None

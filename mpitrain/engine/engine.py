@@ -22,10 +22,14 @@ the caller makes meanwhile. A submission is checked by that dispatcher's
 plans and scaling as blocking calls, without a second cross-rank validation (step 3
 compared the submissions). Blocking calls never go through the engine.
 
-Device arrays: a submission records an event on the stream that produced the array
-(``stream=``, default the current one); the engine waits for it before it reads the
-array, and a handle is done only once the results are written (the dispatcher's stream
-scope synchronizes), so any stream may use them.
+Device arrays: an operation runs on the stream that produced its array (``stream=``,
+default the submitting thread's current one), whichever thread runs the cycle, as a
+blocking call runs on its caller's: its work is ordered after the producer's and
+nothing else's (another stream's kernels, the default stream's among them, neither
+wait for it nor delay it), and its buffers come from that stream's memory pool. A
+submission records an event on that stream; the engine waits for it before it reads
+the array, and a handle is done only once the results are written (the dispatcher's
+stream scope synchronizes), so any stream may use them.
 
 A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
 while no other thread is running one (:meth:`Engine._drive`; one lock makes the
@@ -217,8 +221,9 @@ class Engine:
     # ``_specs``: the checks, the signature text and the fusion key are made once per
     # distinct arguments (a :class:`Spec`); a submission then only checks what belongs
     # to the array itself (Checks.array: write-through and writeable, in place).
-    # ``stream``: where a device input is produced (None: the current stream); an event
-    # recorded there now is what the engine waits for before it reads the input.
+    # ``stream``: where a device input is produced (None: the current stream) and where
+    # the operation runs; an event recorded there now is what the engine waits for
+    # before it reads the input.
     def allreduce(self, x: Any, op: Any, name: Any, prescale: Any,
                   postscale: Any, algorithm: Any, inplace: bool, stream: Any = None) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
@@ -311,10 +316,14 @@ class Engine:
                             self._ready(be, arr, stream))
 
     @staticmethod
-    def _ready(be: ArrayBackend, arr: Any, stream: Any) -> Any:
-        """For a device array, an event recorded now on ``stream`` (None: the current
-        one) of its device; ``None`` for host arrays."""
-        return be.record(arr, stream) if be.is_device else None
+    def _ready(be: ArrayBackend, arr: Any, stream: Any) -> tuple[Any, Any] | None:
+        """For a device array, the stream ``stream`` names (None: the current one) on
+        its device, where the operation will run, and an event recorded there now;
+        ``None`` for host arrays."""
+        if not be.is_device:
+            return None
+        chosen = be.stream(arr, stream)
+        return be.record(arr, chosen), chosen
 
     def _spec(self, call: Call, out_rows: int | None = None) -> Spec:
         """The spec of a checked call of one array: its agreed text (with the rows of an
@@ -391,16 +400,18 @@ class Engine:
         return spec
 
     def _submit(self, what: str, name: Any, spec: Spec, array: Any, output: Any,
-                entries: list[Entry] | None = None, ready: Any = None) -> Handle:
+                entries: list[Entry] | None = None,
+                ready: tuple[Any, Any] | None = None) -> Handle:
         # The request is made before taking the lock (the counter's next() is atomic).
         # Only a given name is tracked, so only its handle has one to release.
+        event, stream = ready if ready is not None else (None, None)
         if name is None:  # generated names are unique: never tracked
             generated, serial = self._generated(what)
             request = Request(generated, spec, array, output, self._waiters,
-                              serial, None, entries, ready)  # generated_name(), without a call
+                              serial, None, entries, event, stream)  # generated_name()
         elif isinstance(name, str) and name:
             request = Request(name, spec, array, output, self._waiters, -1,
-                              self._release_name, entries, ready)
+                              self._release_name, entries, event, stream)
         else:
             raise ArgumentError(f"rank {self.rank}: name must be a non-empty string, "
                                 f"got {name!r}")

@@ -127,7 +127,9 @@ class BucketRunner:
         after the algorithm that ran only if ``traced``: a timeline is recording).
 
         Device inputs are read only once the work that produced them is done (each
-        request's ``ready`` event); the outputs are complete when this returns."""
+        request's ``ready`` event); the work runs on the stream that produced them (a
+        fused bucket's: its first request's); the outputs are complete when this
+        returns."""
         for request in bucket.requests:
             if request.ready is not None:
                 request.ready.synchronize()
@@ -146,7 +148,7 @@ class BucketRunner:
         out = request.output if spec.kind == "allgather" else None  # allgather's out=
         result = d.run_small(call, a, out)
         if result is None:
-            result = d.execute(call, a, out=out)
+            result = d.execute(call, a, out=out, stream=request.stream)
         if not spec.inplace:
             entry.output = result
         if not traced:
@@ -183,12 +185,14 @@ class BucketRunner:
         if inplace is not None and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes,
                                                                 be, dt):
             pieces = _as_pieces(be, arrays, row is not None, inplace)
-        if pieces is None:
-            src = buf = be.concatenate(arrays)
-        else:
-            src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
-        start = _begin(bucket)
-        with be.scope(arrays[0]):  # checked at submission, compared by negotiation
+        # on the first request's stream (the others' events were waited for): the buffer
+        # comes from its pool, packing and unpacking are ordered on it
+        with be.scope(arrays[0], items[0][0].stream):  # checked at submission, compared
+            if pieces is None:                            # by negotiation
+                src = buf = be.concatenate(arrays)
+            else:
+                src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))
+            start = _begin(bucket)
             algorithm = self.dispatcher.allreduce_flat(be, src, buf, dt, spec.op,
                                                        spec.algorithm, spec.prescale,
                                                        spec.postscale)

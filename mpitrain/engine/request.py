@@ -229,18 +229,20 @@ class Request(Handle):
     on (one object per submission); it holds the arrays until the operation is done.
     A request of one array (``array``; ``entries`` is ``None``) is its own entry; a
     grouped request has ``entries``, one per array. ``serial`` is the ``n`` of a
-    generated name (``<kind>.noname.<n>``), -1 for a name the caller gave. ``ready``
-    is, for device arrays, the event recorded on the submitter's stream at submission:
-    the engine waits for it before it reads them.
+    generated name (``<kind>.noname.<n>``), -1 for a name the caller gave. For device
+    arrays, ``stream`` is the stream that produced them, where the operation runs, and
+    ``ready`` the event recorded there at submission: the engine waits for it before
+    it reads them.
     """
 
     __slots__ = ("_release", "array", "entries", "nbytes", "output", "ready", "serial",
-                 "spec", "unfinished")
+                 "spec", "stream", "unfinished")
     _release: Callable[[str], None] | None  # frees a given name once the operation is done
 
     def __init__(self, name: str, spec: Spec, array: Any, output: Any, waiters: Waiters,
                  serial: int = -1, release: Callable[[str], None] | None = None,
-                 entries: list[Entry] | None = None, ready: Any = None) -> None:
+                 entries: list[Entry] | None = None, ready: Any = None,
+                 stream: Any = None) -> None:
         # the handle's part
         self.name = name
         self._waiters = waiters
@@ -256,6 +258,7 @@ class Request(Handle):
         self.spec, self.serial, self.entries = spec, serial, entries
         self.array, self.output = array, output
         self.ready = ready  # device arrays: an event after the work that produced them
+        self.stream = stream  # ... and the stream it is on, where the operation runs
         if entries is None:
             self.nbytes = array.nbytes
             self.unfinished = 1  # entries whose bucket has not run yet
@@ -294,5 +297,5 @@ def complete_all(requests: list[Request]) -> None:
             request._result = request.output if entries is None else [e.output for e in entries]
         request.finished_at = now
         request.entries = None
-        request.array = request.output = request.ready = None
+        request.array = request.output = request.ready = request.stream = None
         request._done = True

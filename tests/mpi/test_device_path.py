@@ -147,6 +147,52 @@ def test_fused_async_allreduce(comm: mt.Communicator, policy: str, inplace: bool
                 assert_equal_all_ranks(comm, host(y), want, f"fused #{i} of {counts_[:4]}")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_async_operations_run_on_the_stream_that_produced_them(
+        comm: mt.Communicator, policy: str) -> None:
+    """An async operation runs on its producer's stream (``stream=``), not on the stream
+    current on the thread that runs the engine's cycle: none of its work lands on the
+    default stream (which other work, a training step's, would wait behind), and the
+    inputs, produced late on the side stream, are read only once they are written."""
+    with fake_backend(seed(comm, policy, "streams")) as fake:
+        side = fake.fake.new_stream()
+
+        def produced(count: int, salt: int = 0) -> Any:
+            x = fake.empty(count, np.float32)
+            with side:  # written late, on the side stream
+                fake.copy_into(x, to_device(crafted(comm.rank + salt, count, "float32",
+                                                    mt.Sum)))
+            return x
+
+        small = [produced(8, salt=i) for i in range(12)]  # fused into one bucket
+        big, gather, rows = produced(101), produced(5), produced(3 * comm.size)
+        root = produced(7)
+        default, before = fake.fake.default, side.enqueued
+        queued = default.enqueued
+        handles = [comm.allreduce_async(x, stream=side) for x in small]
+        handles += [comm.allreduce_async_(big, op=mt.Max, stream=side),
+                    comm.allgather_async(gather, stream=side),
+                    comm.reduce_scatter_async(rows, stream=side),
+                    comm.broadcast_async_(root, root=comm.size - 1, stream=side)]
+        results = [h.wait() for h in handles]
+        moved = default.enqueued - queued
+        assert_all_ranks(comm, moved == 0, f"{moved} pieces of the async operations' work "
+                         "ran on the default stream instead of their producer's")
+        assert_all_ranks(comm, side.enqueued > before,
+                         "no work of the async operations ran on their producer's stream")
+        for i, y in enumerate(results[:12]):
+            want = sum(crafted(r + i, 8, "float32", mt.Sum) for r in range(comm.size))
+            assert_equal_all_ranks(comm, host(y), want, f"fused allreduce #{i}")
+        maxed = np.max([crafted(r, 101, "float32", mt.Sum) for r in range(comm.size)], axis=0)
+        assert_equal_all_ranks(comm, host(results[12]), maxed, "allreduce_ Max")
+        gathered = np.concatenate([crafted(r, 5, "float32", mt.Sum) for r in range(comm.size)])
+        assert_equal_all_ranks(comm, host(results[13]).reshape(-1), gathered, "allgather")
+        mine = reference(comm.size, 3 * comm.size, "float32", mt.Sum)[3 * comm.rank:][:3]
+        assert_equal_all_ranks(comm, host(results[14]).reshape(-1), mine, "reduce_scatter")
+        assert_equal_all_ranks(comm, host(results[15]),
+                               crafted(comm.size - 1, 7, "float32", mt.Sum), "broadcast_")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_one_slot_and_many_segments(comm: mt.Communicator,
                                     configure: Callable[..., Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 from fake_device import FakeBackend, FakeDeviceArray, fake_backend, to_device
-from gpu import cupy, use_local_device
+from gpu import cupy, occupy_default_stream, use_local_device
 from helpers import DTYPES, assert_all_ranks, assert_equal_all_ranks, crafted, ops_for, reference
 
 import mpitrain as mt
@@ -220,6 +220,36 @@ def test_scaling_streams_and_pipeline(comm: mt.Communicator, dev: Arrays,
     assert_equal_all_ranks(comm, dev.get(square),
                            reference(comm.size, 64, "float64", mt.Sum).reshape(8, 8),
                            "allreduce_ of a transposed device view")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_async_operations_on_a_side_stream_do_not_wait_for_the_default_stream(
+        comm: mt.Communicator, dev: Arrays) -> None:
+    """An async allreduce and allgather submitted from a side stream run there: they
+    finish while a kernel still occupies the default stream (a training step's kernels,
+    for a DDP or FSDP collective issued on a stream of its own)."""
+    if dev.name != "cupy":
+        pytest.skip("on the fake GPU: tests/mpi/test_device_path.py::"
+                    "test_async_operations_run_on_the_stream_that_produced_them")
+    side = dev.side_stream()
+    xs = [dev.produced_on(side, crafted(comm.rank + i, 100_003, "float32", mt.Sum), 1.0)
+          for i in range(3)]
+    comm.allreduce_async(xs[0], stream=side).wait()  # plans, pinned slots, opened handles
+    comm.allgather_async(xs[0], stream=side).wait()
+    side.synchronize()
+    comm.barrier()
+    busy = occupy_default_stream(3.0)
+    reduced = comm.allreduce_async(xs[1], stream=side).wait()
+    gathered = comm.allgather_async(xs[2], stream=side).wait()
+    overlapped = not busy.done
+    busy.synchronize()
+    assert_all_ranks(comm, overlapped, "the async operations of the side stream waited for "
+                     "the default stream's kernel")
+    want = sum(crafted(r + 1, 100_003, "float32", mt.Sum) for r in range(comm.size))
+    assert_equal_all_ranks(comm, dev.get(reduced), want, "allreduce on a side stream")
+    rows = np.stack([crafted(r + 2, 100_003, "float32", mt.Sum) for r in range(comm.size)])
+    assert_equal_all_ranks(comm, dev.get(gathered).reshape(rows.shape), rows,
+                           "allgather on a side stream")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -77,6 +77,44 @@ def test_collectives_of_cuda_tensors(gpu: Any, dtype: str) -> None:
     check(all(ok.values()), f"{dtype}: {ok}")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_collectives_on_a_side_stream_do_not_wait_for_the_default_stream(gpu: Any) -> None:
+    """FSDP2 issues its all-gathers and reduce-scatters on streams of its own: they run
+    there, and finish while a kernel still occupies the default stream (where its
+    forward and backward kernels are)."""
+    from gpu import occupy_default_stream
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.arange(1 << 16, device=gpu, dtype=torch.float32) + r
+        gathered = torch.empty(n << 16, device=gpu)
+        piece = torch.empty(1 << 16, device=gpu)
+        rows = torch.arange(n << 16, device=gpu, dtype=torch.float32) + r
+        dist.all_gather_into_tensor(gathered, x, async_op=True).wait()  # plans, handles
+        dist.reduce_scatter_tensor(piece, rows, async_op=True).wait()
+    torch.cuda.synchronize()
+    dist.barrier()
+    busy = occupy_default_stream(3.0)
+    with torch.cuda.stream(side):
+        gathered.zero_()
+        piece.zero_()
+        works = [dist.all_gather_into_tensor(gathered, x, async_op=True),
+                 dist.reduce_scatter_tensor(piece, rows, async_op=True)]
+        for work in works:
+            work.wait()
+    overlapped = not busy.done
+    busy.synchronize()
+    torch.cuda.synchronize()
+    check(overlapped, "the side stream's collectives waited for the default stream's kernel")
+    base = torch.arange(1 << 16, dtype=torch.float32)
+    want = torch.cat([base + k for k in range(n)])
+    summed = torch.arange(n << 16, dtype=torch.float32) * n + sum(range(n))
+    check(torch.equal(gathered.cpu(), want) and
+          torch.equal(piece.cpu(), summed[r << 16:(r + 1) << 16]),
+          "all_gather_into_tensor and reduce_scatter_tensor on a side stream")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_ranks_out_of_step_on_cuda_raise_at_once(gpu: Any) -> None:
