@@ -13,7 +13,9 @@
 # after it), limited to $STEP_S seconds and to what is left of the script's $DEADLINE
 # seconds (0: no deadline), counted from when this file was sourced. A step that would
 # start with less than 20 s left is skipped and reported. A failure, a hang (killed at its
-# limit) or a skip sets status=1; the next step runs.
+# limit) or a skip sets status=1; the next step runs. With $STEPS set (shell patterns of
+# step names, e.g. STEPS="torch-tests-np2 train-* profile-*"), only the steps it names
+# run; the others are reported as not selected, which is no failure.
 PY=${PY:-python3}
 MPIRUN=${MPIRUN:-mpirun}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -28,11 +30,27 @@ GPU_STEPS_BEGUN=$(date +%s)
 STEP_S=${STEP_S:-900}
 DEADLINE=${DEADLINE:-0}
 TAIL=${TAIL:-40}
+STEPS=${STEPS:-}
 status=0
+
+selected() {
+  [ -z "$STEPS" ] && return 0
+  set -f  # the patterns are matched against step names, not file names
+  for pattern in $STEPS; do
+    # shellcheck disable=SC2254
+    case "$1" in $pattern) set +f; return 0 ;; esac
+  done
+  set +f
+  return 1
+}
 
 step() {
   name=$1
   shift
+  if ! selected "$name"; then
+    echo "== $name: not selected (STEPS=$STEPS)"
+    return
+  fi
   start=$(date +%s)
   limit=$STEP_S
   if [ "$DEADLINE" -gt 0 ]; then

@@ -68,3 +68,15 @@ def test_a_step_is_limited_to_what_is_left_of_the_deadline(tmp_path: Path) -> No
     """A step that starts with 25 s of the deadline left gets 25 s, not its 900."""
     text, _ = run_steps(tmp_path, "step only true", DEADLINE="25")
     assert "== only (limit 25 s)" in text or "== only (limit 24 s)" in text
+
+
+def test_steps_picks_steps_by_name_patterns_and_leaves_the_rest(tmp_path: Path) -> None:
+    """``STEPS`` runs the steps whose names match one of its patterns (matched against
+    names, not against the checkout's files, where ``bench*`` names ``benchmarks``);
+    the others are reported as not selected, which is no failure."""
+    body = "step bench-a echo A\nstep train-cuda-np2 false\nstep torch-np2 echo T"
+    text, out = run_steps(tmp_path, body, STEPS="bench* torch-np2")
+    assert "-- bench-a: passed" in text and "-- torch-np2: passed" in text
+    assert "== train-cuda-np2: not selected" in text
+    assert not (out / "train-cuda-np2.log").exists()
+    assert text.rstrip().endswith("status=0")
