@@ -9,8 +9,8 @@
 #    mpitrain.torch, DDP over "mpitrain" and FSDP2 over "mpitrain", each checked against a
 #    one-process reference;
 # 3. the CuPy matrix of tests/mpi/test_gpu.py with the ipc and auto algorithms (staged) in
-#    float32, bfloat16, float16 and int32 at 2 ranks, and its test of async operations on
-#    a side stream while the default stream is busy;
+#    float32, bfloat16, float16 and int32 at 2 ranks, and its test that async operations
+#    do not wait for a kernel queued later on the default stream;
 # 4. step 1's backend module at 3 ranks;
 # 5. the float32 allreduce benchmark at 2 ranks, ipc against the staged ring and MPI's own
 #    collective on pinned copies, 1 MiB .. 256 MiB, every result checked;
@@ -44,7 +44,7 @@ step train-cuda-np2 $MPI -np 2 $PY -m benchmarks train --device cuda \
   --json "$OUT/train-cuda-np2.json"
 MATRIX="(ipc or auto) and (float32 or bfloat16 or float16 or int32)"
 step ipc-tests-np2 $MPI_TESTS -np 2 -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
-  $PYTEST -k "not fake and staged and (side_stream or $MATRIX)" tests/mpi/test_gpu.py
+  $PYTEST -k "not fake and staged and (default_stream or $MATRIX)" tests/mpi/test_gpu.py
 step torch-tests-np3 $MPI_TESTS -np 3 -x MPITRAIN_STALL_TIMEOUT_S=60 sh tests/mpi_rank.sh \
   $PYTEST tests/mpi/test_torch_distributed_cuda.py
 step bench-allreduce-f32-np2 $MPI -np 2 $PY -m benchmarks allreduce -b 1M -e 256M -f 4 \

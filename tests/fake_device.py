@@ -412,6 +412,7 @@ class FakeBackend:
 
     def __init__(self, device: FakeDevice) -> None:
         self.fake = device
+        self._own: FakeStream | None = None
 
     def _queue(self, work: Callable[[], None]) -> None:
         self.fake.current.enqueue(work)
@@ -516,6 +517,12 @@ class FakeBackend:
     def stream(self, obj: object, stream: Any = None) -> FakeStream:
         """``stream``, or this thread's current stream."""
         return stream or self.fake.current  # type: ignore[no-any-return]
+
+    def own_stream(self, obj: object) -> FakeStream:
+        """The fake device's stream that no other code uses, made on first use."""
+        if self._own is None:
+            self._own = self.fake.new_stream()
+        return self._own
 
     def record(self, obj: object, stream: Any = None) -> FakeEvent:
         """An event recorded now on ``stream`` (default: this thread's current one)."""

@@ -104,6 +104,12 @@ class ArrayBackend(Protocol):
         later (the async engine runs an operation on the stream that produced it).
         ``None`` for host memory."""
 
+    def own_stream(self, obj: object) -> Any:
+        """A stream of ``obj``'s device that no other code uses and that synchronizes
+        with no other stream, one per device: the async engine runs there the operations
+        that write only into memory their caller gave, so that they overlap the
+        caller's later work on its own stream. ``None`` for host memory."""
+
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s
         device: its ``synchronize()`` returns once the work queued there so far (what

@@ -108,6 +108,7 @@ class CupyDevice:
         self.id = device_id
         self.identity = cupy.cuda.Device(device_id).pci_bus_id
         self._handles: dict[tuple[int, int], bytes] = {}  # (base, buffer id) -> handle
+        self._own: Any = None  # own_stream(), made on first use
 
     def can_map(self, identity: str) -> bool:
         """True for this GPU, and for a visible peer GPU this one can access."""
@@ -171,6 +172,13 @@ class CupyDevice:
         """A non-blocking stream on this device."""
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Stream(non_blocking=True)
+
+    def own_stream(self) -> Any:
+        """The device's one stream of :meth:`CupyBackend.own_stream` (non-blocking: it
+        synchronizes with no other stream, the legacy default stream included)."""
+        if self._own is None:
+            self._own = self.new_stream()
+        return self._own
 
     def new_event(self) -> Any:
         """An event without timing."""
@@ -343,6 +351,10 @@ class CupyBackend:
         device; another library's stream wrapped, :func:`as_stream`)."""
         with self.asarray(obj).device:
             return as_stream(stream)
+
+    def own_stream(self, obj: object) -> Any:
+        """The stream of ``obj``'s device that no other code uses (one per device)."""
+        return _device(int(self.asarray(obj).device.id)).own_stream()
 
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s device."""

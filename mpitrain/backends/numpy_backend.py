@@ -165,6 +165,10 @@ class NumpyBackend:
         """Host memory has no streams (``None``)."""
         return None
 
+    def own_stream(self, obj: object) -> Any:
+        """Host memory has no streams (``None``)."""
+        return None
+
     def record(self, obj: object, stream: Any = None) -> Any:
         """Host memory is always ready: no event (``None``)."""
         return None

@@ -22,14 +22,18 @@ the caller makes meanwhile. A submission is checked by that dispatcher's
 plans and scaling as blocking calls, without a second cross-rank validation (step 3
 compared the submissions). Blocking calls never go through the engine.
 
-Device arrays: an operation runs on the stream that produced its array (``stream=``,
-default the submitting thread's current one), whichever thread runs the cycle, as a
-blocking call runs on its caller's: its work is ordered after the producer's and
-nothing else's (another stream's kernels, the default stream's among them, neither
-wait for it nor delay it), and its buffers come from that stream's memory pool. A
-submission records an event on that stream; the engine waits for it before it reads
-the array, and a handle is done only once the results are written (the dispatcher's
-stream scope synchronizes), so any stream may use them.
+Device arrays: a submission records an event on the stream that produced its array
+(``stream=``, default the submitting thread's current one); the engine waits for it
+before it reads the array. An operation that writes only into memory its caller gave
+(in place, or an allgather into ``out=``: a DDP bucket, a gradient of
+``hvd.DistributedOptimizer``, an FSDP all-gather) then runs on the backend's own stream
+of the device, which synchronizes with no other, so its kernels and copies overlap what
+the caller queues after the submission (the rest of a backward pass); one whose results
+are memory it allocates runs on the producer's stream, whose memory pool they come from,
+so that the pool reuses them in that stream's order. Either way, whichever thread runs
+the cycle, the default stream neither waits for the operation nor delays it (unless it
+produced the array), and a handle is done only once the results are written (the
+dispatcher's stream scope synchronizes), so any stream may use them.
 
 A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
 while no other thread is running one (:meth:`Engine._drive`; one lock makes the
@@ -221,9 +225,9 @@ class Engine:
     # ``_specs``: the checks, the signature text and the fusion key are made once per
     # distinct arguments (a :class:`Spec`); a submission then only checks what belongs
     # to the array itself (Checks.array: write-through and writeable, in place).
-    # ``stream``: where a device input is produced (None: the current stream) and where
-    # the operation runs; an event recorded there now is what the engine waits for
-    # before it reads the input.
+    # ``stream``: where a device input is produced (None: the current stream); an event
+    # recorded there now is what the engine waits for before it reads the input (where
+    # the operation runs: :meth:`_ready`).
     def allreduce(self, x: Any, op: Any, name: Any, prescale: Any,
                   postscale: Any, algorithm: Any, inplace: bool, stream: Any = None) -> Handle:
         """Queue an allreduce of ``x`` (in place if ``inplace``)."""
@@ -240,7 +244,7 @@ class Engine:
             self._refused("allreduce", name, exc)
             raise
         return self._submit("allreduce", name, spec, arr, x if inplace else None, None,
-                            self._ready(be, arr, stream))
+                            self._ready(be, arr, stream, inplace))
 
     def grouped_allreduce(self, xs: Any, op: Any, name: Any,
                           prescale: Any, postscale: Any, algorithm: Any,
@@ -262,7 +266,8 @@ class Engine:
         except Exception as exc:
             self._refused("grouped_allreduce", name, exc)
             raise
-        ready = self._ready(entries[0].backend, entries[0].array, stream) if entries else None
+        ready = self._ready(entries[0].backend, entries[0].array, stream,
+                            inplace) if entries else None
         return self._submit("grouped_allreduce", name, spec, None, None, entries, ready)
 
     def allgather(self, x: Any, name: Any, algorithm: Any, stream: Any = None,
@@ -282,7 +287,7 @@ class Engine:
             self._refused("allgather", name, exc)
             raise
         return self._submit("allgather", name, spec, arr, out, None,
-                            self._ready(be, arr, stream))
+                            self._ready(be, arr, stream, out is not None))
 
     def broadcast(self, x: Any, root: Any, name: Any, algorithm: Any,
                   inplace: bool, stream: Any = None) -> Handle:
@@ -297,7 +302,7 @@ class Engine:
             self._refused("broadcast", name, exc)
             raise
         return self._submit("broadcast", name, spec, arr, x if inplace else None, None,
-                            self._ready(be, arr, stream))
+                            self._ready(be, arr, stream, inplace))
 
     def reduce_scatter(self, x: Any, op: Any, name: Any, prescale: Any,
                        postscale: Any, algorithm: Any, stream: Any = None) -> Handle:
@@ -313,17 +318,22 @@ class Engine:
             self._refused("reduce_scatter", name, exc)
             raise
         return self._submit("reduce_scatter", name, spec, arr, None, None,
-                            self._ready(be, arr, stream))
+                            self._ready(be, arr, stream, False))
 
     @staticmethod
-    def _ready(be: ArrayBackend, arr: Any, stream: Any) -> tuple[Any, Any] | None:
-        """For a device array, the stream ``stream`` names (None: the current one) on
-        its device, where the operation will run, and an event recorded there now;
+    def _ready(be: ArrayBackend, arr: Any, stream: Any,
+               own: bool) -> tuple[Any, Any] | None:
+        """For a device array, an event recorded now on the stream ``stream`` names
+        (None: the current one) of its device, and the stream where the operation will
+        run: the backend's own stream where it writes only into memory the caller gave
+        (``own``: in place, or into ``out=``), so that it overlaps the caller's later
+        work, else the producer's stream, whose memory pool its results come from (their
+        memory is then reused in that stream's order, never under a later reader).
         ``None`` for host arrays."""
         if not be.is_device:
             return None
-        chosen = be.stream(arr, stream)
-        return be.record(arr, chosen), chosen
+        producer = be.stream(arr, stream)
+        return be.record(arr, producer), be.own_stream(arr) if own else producer
 
     def _spec(self, call: Call, out_rows: int | None = None) -> Spec:
         """The spec of a checked call of one array: its agreed text (with the rows of an

@@ -127,9 +127,8 @@ class BucketRunner:
         after the algorithm that ran only if ``traced``: a timeline is recording).
 
         Device inputs are read only once the work that produced them is done (each
-        request's ``ready`` event); the work runs on the stream that produced them (a
-        fused bucket's: its first request's); the outputs are complete when this
-        returns."""
+        request's ``ready`` event); the work runs on the request's ``stream`` (a fused
+        bucket's: see :meth:`_fused`); the outputs are complete when this returns."""
         for request in bucket.requests:
             if request.ready is not None:
                 request.ready.synchronize()
@@ -185,10 +184,12 @@ class BucketRunner:
         if inplace is not None and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes,
                                                                 be, dt):
             pieces = _as_pieces(be, arrays, row is not None, inplace)
-        # on the first request's stream (the others' events were waited for): the buffer
-        # comes from its pool, packing and unpacking are ordered on it
-        with be.scope(arrays[0], items[0][0].stream):  # checked at submission, compared
-            if pieces is None:                            # by negotiation
+        # on the stream of its first request, or of its first whose results are views of
+        # the buffer (from that stream's pool: Engine._ready); the others' events were
+        # waited for
+        stream = next((r.stream for r, _ in items if not r.spec.inplace), items[0][0].stream)
+        with be.scope(arrays[0], stream):  # checked at submission, compared by negotiation
+            if pieces is None:
                 src = buf = be.concatenate(arrays)
             else:
                 src, buf = pieces, (pieces if inplace else be.empty(pieces.size, dt))

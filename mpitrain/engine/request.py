@@ -230,9 +230,9 @@ class Request(Handle):
     A request of one array (``array``; ``entries`` is ``None``) is its own entry; a
     grouped request has ``entries``, one per array. ``serial`` is the ``n`` of a
     generated name (``<kind>.noname.<n>``), -1 for a name the caller gave. For device
-    arrays, ``stream`` is the stream that produced them, where the operation runs, and
-    ``ready`` the event recorded there at submission: the engine waits for it before
-    it reads them.
+    arrays, ``ready`` is the event recorded at submission on the stream that produced
+    them (the engine waits for it before it reads them), and ``stream`` the stream the
+    operation runs on (``Engine._ready``).
     """
 
     __slots__ = ("_release", "array", "entries", "nbytes", "output", "ready", "serial",
@@ -258,7 +258,7 @@ class Request(Handle):
         self.spec, self.serial, self.entries = spec, serial, entries
         self.array, self.output = array, output
         self.ready = ready  # device arrays: an event after the work that produced them
-        self.stream = stream  # ... and the stream it is on, where the operation runs
+        self.stream = stream  # ... and the stream where the operation runs
         if entries is None:
             self.nbytes = array.nbytes
             self.unfinished = 1  # entries whose bucket has not run yet

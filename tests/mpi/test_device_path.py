@@ -148,12 +148,15 @@ def test_fused_async_allreduce(comm: mt.Communicator, policy: str, inplace: bool
 
 
 @pytest.mark.mpi(min_size=1)
-def test_async_operations_run_on_the_stream_that_produced_them(
+def test_async_operations_run_on_the_streams_the_rule_gives(
         comm: mt.Communicator, policy: str) -> None:
-    """An async operation runs on its producer's stream (``stream=``), not on the stream
-    current on the thread that runs the engine's cycle: none of its work lands on the
-    default stream (which other work, a training step's, would wait behind), and the
-    inputs, produced late on the side stream, are read only once they are written."""
+    """Where an async operation runs (Engine._ready), whichever stream is current on
+    the thread that runs the engine's cycle: one that writes only into the caller's
+    memory (in place, allgather into ``out=``) on the backend's own stream, one that
+    hands out memory it allocates on its producer's stream (``stream=``). None of
+    their work lands on the default stream (where a training step's kernels would wait
+    for it), and the inputs, produced late on the side stream, are read only once
+    they are written."""
     with fake_backend(seed(comm, policy, "streams")) as fake:
         side = fake.fake.new_stream()
 
@@ -165,31 +168,47 @@ def test_async_operations_run_on_the_stream_that_produced_them(
             return x
 
         small = [produced(8, salt=i) for i in range(12)]  # fused into one bucket
-        big, gather, rows = produced(101), produced(5), produced(3 * comm.size)
-        root = produced(7)
-        default, before = fake.fake.default, side.enqueued
-        queued = default.enqueued
-        handles = [comm.allreduce_async(x, stream=side) for x in small]
-        handles += [comm.allreduce_async_(big, op=mt.Max, stream=side),
-                    comm.allgather_async(gather, stream=side),
-                    comm.reduce_scatter_async(rows, stream=side),
-                    comm.broadcast_async_(root, root=comm.size - 1, stream=side)]
-        results = [h.wait() for h in handles]
-        moved = default.enqueued - queued
-        assert_all_ranks(comm, moved == 0, f"{moved} pieces of the async operations' work "
-                         "ran on the default stream instead of their producer's")
-        assert_all_ranks(comm, side.enqueued > before,
-                         "no work of the async operations ran on their producer's stream")
+        big, rows, root = produced(101), produced(3 * comm.size), produced(7)
+        gather, gathered_into = produced(5), produced(5)
+        out = fake.empty(5 * comm.size, np.float32).reshape(comm.size, 5)
+        own = fake.own_stream(big)
+        streams = {"default": fake.fake.default, "side": side, "own": own}
+        cases: list[tuple[str, Callable[[], list[Any]], str]] = [
+            ("fused allreduces", lambda: [comm.allreduce_async(x, stream=side)
+                                          for x in small], "side"),
+            ("allreduce_ Max", lambda: [comm.allreduce_async_(big, op=mt.Max, stream=side)],
+             "own"),
+            ("allgather", lambda: [comm.allgather_async(gather, stream=side)], "side"),
+            ("allgather into out=", lambda: [comm.allgather_async(
+                gathered_into.reshape(1, 5), stream=side, out=out)], "own"),
+            ("reduce_scatter", lambda: [comm.reduce_scatter_async(rows, stream=side)], "side"),
+            ("broadcast_", lambda: [comm.broadcast_async_(root, root=comm.size - 1,
+                                                          stream=side)], "own"),
+        ]
+        results, moved = [], {name: 0 for name in streams}
+        for what, submit, where in cases:
+            before = {name: s.enqueued for name, s in streams.items()}
+            results += [h.wait() for h in submit()]
+            delta = {name: s.enqueued - before[name] for name, s in streams.items()}
+            wrong = [name for name in streams if name != where and delta[name]]
+            assert_all_ranks(comm, not wrong, f"{what}: work on the {wrong} stream(s), "
+                             f"not only on the {where} stream: {delta}")
+            moved[where] += delta[where]
+        assert_all_ranks(comm, moved["side"] > 0 and moved["own"] > 0,
+                         f"no work on the side or the own stream: {moved}")
         for i, y in enumerate(results[:12]):
             want = sum(crafted(r + i, 8, "float32", mt.Sum) for r in range(comm.size))
             assert_equal_all_ranks(comm, host(y), want, f"fused allreduce #{i}")
         maxed = np.max([crafted(r, 101, "float32", mt.Sum) for r in range(comm.size)], axis=0)
         assert_equal_all_ranks(comm, host(results[12]), maxed, "allreduce_ Max")
-        gathered = np.concatenate([crafted(r, 5, "float32", mt.Sum) for r in range(comm.size)])
-        assert_equal_all_ranks(comm, host(results[13]).reshape(-1), gathered, "allgather")
+        gathered = np.stack([crafted(r, 5, "float32", mt.Sum) for r in range(comm.size)])
+        assert_equal_all_ranks(comm, host(results[13]).reshape(-1), gathered.reshape(-1),
+                               "allgather")
+        assert_all_ranks(comm, results[14] is out, "allgather into out= returned another array")
+        assert_equal_all_ranks(comm, host(out), gathered, "allgather into out=")
         mine = reference(comm.size, 3 * comm.size, "float32", mt.Sum)[3 * comm.rank:][:3]
-        assert_equal_all_ranks(comm, host(results[14]).reshape(-1), mine, "reduce_scatter")
-        assert_equal_all_ranks(comm, host(results[15]),
+        assert_equal_all_ranks(comm, host(results[15]).reshape(-1), mine, "reduce_scatter")
+        assert_equal_all_ranks(comm, host(results[16]),
                                crafted(comm.size - 1, 7, "float32", mt.Sum), "broadcast_")
 
 

@@ -223,31 +223,38 @@ def test_scaling_streams_and_pipeline(comm: mt.Communicator, dev: Arrays,
 
 
 @pytest.mark.mpi(min_size=1)
-def test_async_operations_on_a_side_stream_do_not_wait_for_the_default_stream(
+def test_async_operations_do_not_wait_for_later_work_on_the_default_stream(
         comm: mt.Communicator, dev: Arrays) -> None:
-    """An async allreduce and allgather submitted from a side stream run there: they
-    finish while a kernel still occupies the default stream (a training step's kernels,
-    for a DDP or FSDP collective issued on a stream of its own)."""
+    """Async operations finish while a kernel queued on the default stream after their
+    submission still runs: an in-place allreduce of an array made on the default stream
+    (a DDP bucket, an ``hvd.DistributedOptimizer`` gradient: on the backend's own
+    stream), and an allreduce and an allgather made on a side stream (on that stream)."""
     if dev.name != "cupy":
         pytest.skip("on the fake GPU: tests/mpi/test_device_path.py::"
-                    "test_async_operations_run_on_the_stream_that_produced_them")
+                    "test_async_operations_run_on_the_streams_the_rule_gives")
+    n = 100_003
     side = dev.side_stream()
-    xs = [dev.produced_on(side, crafted(comm.rank + i, 100_003, "float32", mt.Sum), 1.0)
+    xs = [dev.produced_on(side, crafted(comm.rank + i, n, "float32", mt.Sum), 1.0)
           for i in range(3)]
+    grads = [dev.put(crafted(comm.rank + 3 + i, n, "float32", mt.Sum)) for i in range(2)]
     comm.allreduce_async(xs[0], stream=side).wait()  # plans, pinned slots, opened handles
     comm.allgather_async(xs[0], stream=side).wait()
+    comm.allreduce_async_(grads[0]).wait()
     side.synchronize()
     comm.barrier()
+    bucket = comm.allreduce_async_(grads[1])  # then the rest of the backward pass:
     busy = occupy_default_stream(3.0)
+    bucket.wait()
     reduced = comm.allreduce_async(xs[1], stream=side).wait()
     gathered = comm.allgather_async(xs[2], stream=side).wait()
     overlapped = not busy.done
     busy.synchronize()
-    assert_all_ranks(comm, overlapped, "the async operations of the side stream waited for "
-                     "the default stream's kernel")
-    want = sum(crafted(r + 1, 100_003, "float32", mt.Sum) for r in range(comm.size))
-    assert_equal_all_ranks(comm, dev.get(reduced), want, "allreduce on a side stream")
-    rows = np.stack([crafted(r + 2, 100_003, "float32", mt.Sum) for r in range(comm.size)])
+    assert_all_ranks(comm, overlapped, "async operations waited for the default stream's "
+                     "later kernel")
+    for got, i in ((grads[1], 4), (reduced, 1)):
+        want = sum(crafted(r + i, n, "float32", mt.Sum) for r in range(comm.size))
+        assert_equal_all_ranks(comm, dev.get(got), want, f"allreduce #{i}")
+    rows = np.stack([crafted(r + 2, n, "float32", mt.Sum) for r in range(comm.size)])
     assert_equal_all_ranks(comm, dev.get(gathered).reshape(rows.shape), rows,
                            "allgather on a side stream")
 

@@ -78,14 +78,15 @@ def test_collectives_of_cuda_tensors(gpu: Any, dtype: str) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_collectives_on_a_side_stream_do_not_wait_for_the_default_stream(gpu: Any) -> None:
-    """FSDP2 issues its all-gathers and reduce-scatters on streams of its own: they run
-    there, and finish while a kernel still occupies the default stream (where its
-    forward and backward kernels are)."""
+def test_collectives_do_not_wait_for_later_work_on_the_default_stream(gpu: Any) -> None:
+    """DDP's bucket allreduces (async, in place, made on the default stream) and FSDP2's
+    all-gathers and reduce-scatters (async, on streams of its own) finish while a kernel
+    queued on the default stream after them still runs (the rest of a backward pass)."""
     from gpu import occupy_default_stream
 
     n, r = dist.get_world_size(), dist.get_rank()
     side = torch.cuda.Stream()
+    buckets = [torch.arange(1 << 16, device=gpu, dtype=torch.float32) + r for _ in range(2)]
     with torch.cuda.stream(side):
         x = torch.arange(1 << 16, device=gpu, dtype=torch.float32) + r
         gathered = torch.empty(n << 16, device=gpu)
@@ -93,9 +94,12 @@ def test_collectives_on_a_side_stream_do_not_wait_for_the_default_stream(gpu: An
         rows = torch.arange(n << 16, device=gpu, dtype=torch.float32) + r
         dist.all_gather_into_tensor(gathered, x, async_op=True).wait()  # plans, handles
         dist.reduce_scatter_tensor(piece, rows, async_op=True).wait()
+    dist.all_reduce(buckets[0], async_op=True).wait()
     torch.cuda.synchronize()
     dist.barrier()
+    bucket = dist.all_reduce(buckets[1], async_op=True)
     busy = occupy_default_stream(3.0)
+    bucket.wait()
     with torch.cuda.stream(side):
         gathered.zero_()
         piece.zero_()
@@ -106,13 +110,14 @@ def test_collectives_on_a_side_stream_do_not_wait_for_the_default_stream(gpu: An
     overlapped = not busy.done
     busy.synchronize()
     torch.cuda.synchronize()
-    check(overlapped, "the side stream's collectives waited for the default stream's kernel")
+    check(overlapped, "the collectives waited for the default stream's later kernel")
     base = torch.arange(1 << 16, dtype=torch.float32)
     want = torch.cat([base + k for k in range(n)])
     summed = torch.arange(n << 16, dtype=torch.float32) * n + sum(range(n))
-    check(torch.equal(gathered.cpu(), want) and
+    check(torch.equal(buckets[1].cpu(), base * n + sum(range(n))) and
+          torch.equal(gathered.cpu(), want) and
           torch.equal(piece.cpu(), summed[r << 16:(r + 1) << 16]),
-          "all_gather_into_tensor and reduce_scatter_tensor on a side stream")
+          "all_reduce, all_gather_into_tensor and reduce_scatter_tensor")
 
 
 @pytest.mark.mpi(min_size=2)
