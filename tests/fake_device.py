@@ -297,10 +297,10 @@ class FakeDevice:
         """The current stream."""
         return self.current
 
-    def new_stream(self) -> FakeStream:
-        """A new stream."""
+    def new_stream(self, name: str | None = None) -> FakeStream:
+        """A new stream (named ``name``, default ``stream<n>``)."""
         with self.lock:
-            stream = FakeStream(self, f"stream{len(self.streams)}")
+            stream = FakeStream(self, name or f"stream{len(self.streams)}")
             self.streams.append(stream)
         return stream
 
@@ -412,7 +412,6 @@ class FakeBackend:
 
     def __init__(self, device: FakeDevice) -> None:
         self.fake = device
-        self._own: FakeStream | None = None
 
     def _queue(self, work: Callable[[], None]) -> None:
         self.fake.current.enqueue(work)
@@ -518,11 +517,10 @@ class FakeBackend:
         """``stream``, or this thread's current stream."""
         return stream or self.fake.current  # type: ignore[no-any-return]
 
-    def own_stream(self, obj: object) -> FakeStream:
-        """The fake device's stream that no other code uses, made on first use."""
-        if self._own is None:
-            self._own = self.fake.new_stream()
-        return self._own
+    def new_stream(self, obj: object) -> FakeStream:
+        """A new stream of the fake device, named ``engine`` (only the async engine asks
+        the backend for one: a test finds it by that name)."""
+        return self.fake.new_stream("engine")
 
     def record(self, obj: object, stream: Any = None) -> FakeEvent:
         """An event recorded now on ``stream`` (default: this thread's current one)."""
@@ -530,7 +528,7 @@ class FakeBackend:
         event.record(stream or self.fake.current)
         return event
 
-    def device_id(self) -> int:
+    def device_id(self, obj: object = None) -> int:
         """The fake device's number."""
         return self.fake.id
 

@@ -37,23 +37,25 @@ def use_local_device(local_rank: int) -> int:
 
 
 _SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
+extern "C" __global__ void spin(unsigned long long nanoseconds) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < nanoseconds);
 }
 """
 
 
 def occupy_default_stream(seconds: float) -> Any:
     """Queue a kernel that keeps the legacy default stream (CuPy's null stream, torch's
-    default stream) busy for about ``seconds``, and return an event recorded after it:
-    work that waits for that stream is done only once the event is."""
+    default stream) busy for about ``seconds`` (by the GPU's nanosecond timer), and
+    return an event recorded after it: work that waits for that stream is done only
+    once the event is."""
     assert cupy is not None
-    device = cupy.cuda.Device()
-    rate_khz = cupy.cuda.runtime.getDeviceProperties(device.id)["clockRate"]
     kernel = cupy.RawKernel(_SPIN, "spin")
     with cupy.cuda.Stream.null:
-        kernel((1,), (1,), (cupy.int64(int(seconds * rate_khz * 1e3)),))
+        kernel((1,), (1,), (cupy.uint64(int(seconds * 1e9)),))
         busy = cupy.cuda.Event(disable_timing=True)
         busy.record()
     return busy

@@ -104,19 +104,20 @@ class ArrayBackend(Protocol):
         later (the async engine runs an operation on the stream that produced it).
         ``None`` for host memory."""
 
-    def own_stream(self, obj: object) -> Any:
-        """A stream of ``obj``'s device that no other code uses and that synchronizes
-        with no other stream, one per device: the async engine runs there the operations
-        that write only into memory their caller gave, so that they overlap the
-        caller's later work on its own stream. ``None`` for host memory."""
+    def new_stream(self, obj: object) -> Any:
+        """A new stream of ``obj``'s device that synchronizes with no other stream (the
+        legacy default stream included): the async engine's own, where it runs the
+        operations that write only into memory their caller gave. ``None`` for host
+        memory."""
 
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s
         device: its ``synchronize()`` returns once the work queued there so far (what
         produces ``obj``) is done. ``None`` for host memory."""
 
-    def device_id(self) -> int:
-        """The current device number (plans are kept per device); -1 for host memory."""
+    def device_id(self, obj: object = None) -> int:
+        """The number of ``obj``'s device (None: of the current device; plans are kept
+        per device); -1 for host memory."""
 
     def device(self) -> Any:
         """The current device as a :class:`~.device.Device` (device backends only)."""

@@ -108,7 +108,6 @@ class CupyDevice:
         self.id = device_id
         self.identity = cupy.cuda.Device(device_id).pci_bus_id
         self._handles: dict[tuple[int, int], bytes] = {}  # (base, buffer id) -> handle
-        self._own: Any = None  # own_stream(), made on first use
 
     def can_map(self, identity: str) -> bool:
         """True for this GPU, and for a visible peer GPU this one can access."""
@@ -172,13 +171,6 @@ class CupyDevice:
         """A non-blocking stream on this device."""
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Stream(non_blocking=True)
-
-    def own_stream(self) -> Any:
-        """The device's one stream of :meth:`CupyBackend.own_stream` (non-blocking: it
-        synchronizes with no other stream, the legacy default stream included)."""
-        if self._own is None:
-            self._own = self.new_stream()
-        return self._own
 
     def new_event(self) -> Any:
         """An event without timing."""
@@ -352,9 +344,9 @@ class CupyBackend:
         with self.asarray(obj).device:
             return as_stream(stream)
 
-    def own_stream(self, obj: object) -> Any:
-        """The stream of ``obj``'s device that no other code uses (one per device)."""
-        return _device(int(self.asarray(obj).device.id)).own_stream()
+    def new_stream(self, obj: object) -> Any:
+        """A new non-blocking stream of ``obj``'s device."""
+        return _device(self.device_id(obj)).new_stream()
 
     def record(self, obj: object, stream: Any = None) -> Any:
         """An event recorded now on ``stream`` (None: the current one) of ``obj``'s device."""
@@ -363,9 +355,11 @@ class CupyBackend:
             event.record(as_stream(stream))
         return event
 
-    def device_id(self) -> int:
-        """The current CUDA device."""
-        return int(cupy.cuda.Device().id)
+    def device_id(self, obj: object = None) -> int:
+        """``obj``'s CUDA device (None: the current one)."""
+        if obj is None:
+            return int(cupy.cuda.Device().id)
+        return int(self.asarray(obj).device.id)
 
     def device(self) -> CupyDevice:
         """The current CUDA device for staging."""

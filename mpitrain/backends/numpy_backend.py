@@ -165,7 +165,7 @@ class NumpyBackend:
         """Host memory has no streams (``None``)."""
         return None
 
-    def own_stream(self, obj: object) -> Any:
+    def new_stream(self, obj: object) -> Any:
         """Host memory has no streams (``None``)."""
         return None
 
@@ -173,7 +173,7 @@ class NumpyBackend:
         """Host memory is always ready: no event (``None``)."""
         return None
 
-    def device_id(self) -> int:
+    def device_id(self, obj: object = None) -> int:
         """-1: host memory."""
         return -1
 

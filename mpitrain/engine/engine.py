@@ -26,14 +26,14 @@ Device arrays: a submission records an event on the stream that produced its arr
 (``stream=``, default the submitting thread's current one); the engine waits for it
 before it reads the array. An operation that writes only into memory its caller gave
 (in place, or an allgather into ``out=``: a DDP bucket, a gradient of
-``hvd.DistributedOptimizer``, an FSDP all-gather) then runs on the backend's own stream
+``hvd.DistributedOptimizer``, an FSDP all-gather) then runs on the engine's own stream
 of the device, which synchronizes with no other, so its kernels and copies overlap what
-the caller queues after the submission (the rest of a backward pass); one whose results
-are memory it allocates runs on the producer's stream, whose memory pool they come from,
-so that the pool reuses them in that stream's order. Either way, whichever thread runs
-the cycle, the default stream neither waits for the operation nor delays it (unless it
-produced the array), and a handle is done only once the results are written (the
-dispatcher's stream scope synchronizes), so any stream may use them.
+the caller queues after the submission (the rest of a backward pass); one stream per
+engine, so that two communicators' collectives never queue behind each other. One whose
+results are memory it allocates runs on the producer's stream, whose memory pool they
+come from, so that the pool reuses them in that stream's order. Whichever thread runs
+the cycle, a handle is done only once the results are written (the dispatcher's stream
+scope synchronizes), so any stream may use them.
 
 A caller blocked in :meth:`~.request.Handle.wait` runs cycles on its own thread
 while no other thread is running one (:meth:`Engine._drive`; one lock makes the
@@ -186,6 +186,7 @@ class Engine:
         self._in_flight: set[str] = set()
         self._counters: defaultdict[str, Iterator[int]] = defaultdict(count)
         self._specs: dict[tuple[Any, ...], Spec] = {}
+        self._streams: dict[tuple[str, int], Any] = {}  # (backend, device) -> own stream
         self._stopping = False
         self._closed: str | None = None  # why new submissions are refused
         self._pending: dict[str, Request] = {}  # progress thread only
@@ -320,20 +321,30 @@ class Engine:
         return self._submit("reduce_scatter", name, spec, arr, None, None,
                             self._ready(be, arr, stream, False))
 
-    @staticmethod
-    def _ready(be: ArrayBackend, arr: Any, stream: Any,
+    def _ready(self, be: ArrayBackend, arr: Any, stream: Any,
                own: bool) -> tuple[Any, Any] | None:
         """For a device array, an event recorded now on the stream ``stream`` names
         (None: the current one) of its device, and the stream where the operation will
-        run: the backend's own stream where it writes only into memory the caller gave
-        (``own``: in place, or into ``out=``), so that it overlaps the caller's later
-        work, else the producer's stream, whose memory pool its results come from (their
-        memory is then reused in that stream's order, never under a later reader).
-        ``None`` for host arrays."""
+        run: the engine's own stream of the device where it writes only into memory the
+        caller gave (``own``: in place, or into ``out=``), so that it overlaps the
+        caller's later work, else the producer's stream, whose memory pool its results
+        come from (their memory is then reused in that stream's order, never under a
+        later reader). ``None`` for host arrays."""
         if not be.is_device:
             return None
         producer = be.stream(arr, stream)
-        return be.record(arr, producer), be.own_stream(arr) if own else producer
+        return be.record(arr, producer), self._own_stream(be, arr) if own else producer
+
+    def _own_stream(self, be: ArrayBackend, arr: Any) -> Any:
+        """The engine's stream of ``arr``'s device, made on first use: one per engine, so
+        that collectives of two communicators never queue behind each other (two NCCL
+        kernels in different orders on two ranks would wait for each other forever)."""
+        key = (be.name, be.device_id(arr))
+        stream = self._streams.get(key)
+        if stream is None:
+            with self._lock:
+                stream = self._streams.setdefault(key, be.new_stream(arr))
+        return stream
 
     def _spec(self, call: Call, out_rows: int | None = None) -> Spec:
         """The spec of a checked call of one array: its agreed text (with the rows of an

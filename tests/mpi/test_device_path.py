@@ -171,8 +171,12 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
         big, rows, root = produced(101), produced(3 * comm.size), produced(7)
         gather, gathered_into = produced(5), produced(5)
         out = fake.empty(5 * comm.size, np.float32).reshape(comm.size, 5)
-        own = fake.own_stream(big)
-        streams = {"default": fake.fake.default, "side": side, "own": own}
+
+        def queued() -> dict[str, int]:
+            """Work queued so far on the default, the side and the engine's own stream."""
+            own = sum(s.enqueued for s in fake.fake.streams if s.name == "engine")
+            return {"default": fake.fake.default.enqueued, "side": side.enqueued, "own": own}
+
         cases: list[tuple[str, Callable[[], list[Any]], str]] = [
             ("fused allreduces", lambda: [comm.allreduce_async(x, stream=side)
                                           for x in small], "side"),
@@ -185,17 +189,33 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
             ("broadcast_", lambda: [comm.broadcast_async_(root, root=comm.size - 1,
                                                           stream=side)], "own"),
         ]
-        results, moved = [], {name: 0 for name in streams}
+        results: list[Any] = []
+        moved = {"side": 0, "own": 0}
         for what, submit, where in cases:
-            before = {name: s.enqueued for name, s in streams.items()}
+            before = queued()
             results += [h.wait() for h in submit()]
-            delta = {name: s.enqueued - before[name] for name, s in streams.items()}
-            wrong = [name for name in streams if name != where and delta[name]]
+            delta = {name: n - before[name] for name, n in queued().items()}
+            wrong = [name for name in delta if name != where and delta[name]]
             assert_all_ranks(comm, not wrong, f"{what}: work on the {wrong} stream(s), "
                              f"not only on the {where} stream: {delta}")
             moved[where] += delta[where]
-        assert_all_ranks(comm, moved["side"] > 0 and moved["own"] > 0,
-                         f"no work on the side or the own stream: {moved}")
+        owns = [s for s in fake.fake.streams if s.name == "engine"]
+        assert_all_ranks(comm, moved["side"] > 0 and moved["own"] > 0 and len(owns) == 1,
+                         f"no work on the side or the engine's own stream ({moved}), or "
+                         f"not one stream of the engine's own: {len(owns)}")
+        other = mt.Communicator(comm.mpi_comm)  # another engine: a stream of its own
+        try:
+            again = produced(9)
+            other.allreduce_async_(again, stream=side).wait()
+            comm.allreduce_async_(again, stream=side).wait()
+            owns = [s for s in fake.fake.streams if s.name == "engine"]
+            assert_all_ranks(comm, len(owns) == 2, f"{len(owns)} engine streams for two "
+                             "communicators' engines, not one each")
+            twice = comm.size * reference(comm.size, 9, "float32", mt.Sum)
+            assert_equal_all_ranks(comm, host(again), twice,
+                                   "in-place allreduces on two engines, one after the other")
+        finally:
+            other.free()
         for i, y in enumerate(results[:12]):
             want = sum(crafted(r + i, 8, "float32", mt.Sum) for r in range(comm.size))
             assert_equal_all_ranks(comm, host(y), want, f"fused allreduce #{i}")
