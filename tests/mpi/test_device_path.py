@@ -152,7 +152,7 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
         comm: mt.Communicator, policy: str) -> None:
     """Where an async operation runs (Engine._ready), whichever stream is current on
     the thread that runs the engine's cycle: one that writes only into the caller's
-    memory (in place, allgather into ``out=``) on the backend's own stream, one that
+    memory (in place, allgather into ``out=``) on the engine's own stream, one that
     hands out memory it allocates on its producer's stream (``stream=``). None of
     their work lands on the default stream (where a training step's kernels would wait
     for it), and the inputs, produced late on the side stream, are read only once

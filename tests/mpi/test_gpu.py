@@ -227,7 +227,7 @@ def test_async_operations_do_not_wait_for_later_work_on_the_default_stream(
         comm: mt.Communicator, dev: Arrays) -> None:
     """Async operations finish while a kernel queued on the default stream after their
     submission still runs: an in-place allreduce of an array made on the default stream
-    (a DDP bucket, an ``hvd.DistributedOptimizer`` gradient: on the backend's own
+    (a DDP bucket, an ``hvd.DistributedOptimizer`` gradient: on the engine's own
     stream), and an allreduce and an allgather made on a side stream (on that stream)."""
     if dev.name != "cupy":
         pytest.skip("on the fake GPU: tests/mpi/test_device_path.py::"
