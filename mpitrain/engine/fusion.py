@@ -184,10 +184,11 @@ class BucketRunner:
         if inplace is not None and self.dispatcher.takes_pieces(spec.algorithm, bucket.nbytes,
                                                                 be, dt):
             pieces = _as_pieces(be, arrays, row is not None, inplace)
-        # on the stream of its first request, or of its first whose results are views of
-        # the buffer (from that stream's pool: Engine._ready); the others' events were
-        # waited for
-        stream = next((r.stream for r, _ in items if not r.spec.inplace), items[0][0].stream)
+        # on the stream of its first request, or, in place and out of place mixed, of its
+        # first whose results are views of the buffer (from that stream's pool:
+        # Engine._ready); the others' events were waited for
+        stream = items[0][0].stream if inplace is not None else next(
+            r.stream for r, _ in items if not r.spec.inplace)
         with be.scope(arrays[0], stream):  # checked at submission, compared by negotiation
             if pieces is None:
                 src = buf = be.concatenate(arrays)

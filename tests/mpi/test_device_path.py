@@ -168,6 +168,7 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
             return x
 
         small = [produced(8, salt=i) for i in range(12)]  # fused into one bucket
+        mixed = [produced(8, salt=20 + i) for i in range(6)]  # in place first, alternating
         big, rows, root = produced(101), produced(3 * comm.size), produced(7)
         gather, gathered_into = produced(5), produced(5)
         out = fake.empty(5 * comm.size, np.float32).reshape(comm.size, 5)
@@ -177,11 +178,20 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
             own = sum(s.enqueued for s in fake.fake.streams if s.name == "engine")
             return {"default": fake.fake.default.enqueued, "side": side.enqueued, "own": own}
 
+        def fused() -> list[Any]:
+            with comm.batch():  # one cycle: one bucket
+                return [comm.allreduce_async(x, stream=side) for x in small]
+
+        def fused_mixed() -> list[Any]:
+            with comm.batch():
+                return [(comm.allreduce_async if i % 2 else comm.allreduce_async_)(
+                    x, stream=side) for i, x in enumerate(mixed)]
+
         cases: list[tuple[str, Callable[[], list[Any]], str]] = [
-            ("fused allreduces", lambda: [comm.allreduce_async(x, stream=side)
-                                          for x in small], "side"),
+            ("fused allreduces", fused, "side"),
             ("allreduce_ Max", lambda: [comm.allreduce_async_(big, op=mt.Max, stream=side)],
              "own"),
+            ("fused, in place and out of place", fused_mixed, "side"),
             ("allgather", lambda: [comm.allgather_async(gather, stream=side)], "side"),
             ("allgather into out=", lambda: [comm.allgather_async(
                 gathered_into.reshape(1, 5), stream=side, out=out)], "own"),
@@ -221,14 +231,18 @@ def test_async_operations_run_on_the_streams_the_rule_gives(
             assert_equal_all_ranks(comm, host(y), want, f"fused allreduce #{i}")
         maxed = np.max([crafted(r, 101, "float32", mt.Sum) for r in range(comm.size)], axis=0)
         assert_equal_all_ranks(comm, host(results[12]), maxed, "allreduce_ Max")
+        for i, y in enumerate(results[13:19]):
+            want = sum(crafted(r + 20 + i, 8, "float32", mt.Sum) for r in range(comm.size))
+            assert_all_ranks(comm, (y is mixed[i]) == (i % 2 == 0), f"mixed #{i}: in place?")
+            assert_equal_all_ranks(comm, host(y), want, f"mixed fused allreduce #{i}")
         gathered = np.stack([crafted(r, 5, "float32", mt.Sum) for r in range(comm.size)])
-        assert_equal_all_ranks(comm, host(results[13]).reshape(-1), gathered.reshape(-1),
+        assert_equal_all_ranks(comm, host(results[19]).reshape(-1), gathered.reshape(-1),
                                "allgather")
-        assert_all_ranks(comm, results[14] is out, "allgather into out= returned another array")
+        assert_all_ranks(comm, results[20] is out, "allgather into out= returned another array")
         assert_equal_all_ranks(comm, host(out), gathered, "allgather into out=")
         mine = reference(comm.size, 3 * comm.size, "float32", mt.Sum)[3 * comm.rank:][:3]
-        assert_equal_all_ranks(comm, host(results[15]).reshape(-1), mine, "reduce_scatter")
-        assert_equal_all_ranks(comm, host(results[16]),
+        assert_equal_all_ranks(comm, host(results[21]).reshape(-1), mine, "reduce_scatter")
+        assert_equal_all_ranks(comm, host(results[22]),
                                crafted(comm.size - 1, 7, "float32", mt.Sum), "broadcast_")
 
 
