@@ -101,7 +101,8 @@ class ArrayBackend(Protocol):
     def stream(self, obj: object, stream: Any = None) -> Any:
         """The stream of ``obj``'s device that ``stream`` names (None: this thread's
         current one), as an object :meth:`scope` and :meth:`record` take on any thread
-        later (the async engine runs an operation on the stream that produced it).
+        later (the async engine records a submission's event on the stream that produced
+        its array, and runs there the operations that hand out memory they allocate).
         ``None`` for host memory."""
 
     def new_stream(self, obj: object) -> Any:
